@@ -1,0 +1,53 @@
+"""mpckpt: checkpoint PyTorch training without stopping it.
+
+Public names only; everything else lives in modules with a leading underscore. Importing
+the package is cheap: the names are loaded on first use, so uploader processes that import
+``mpckpt._worker`` never load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "BudgetPolicy",
+    "Checkpoint",
+    "Checkpointer",
+    "CheckpointerStats",
+    "SaveFuture",
+    "SaveResult",
+    "SaveStats",
+    "UploadMode",
+    "errors",
+    "load",
+    "__version__",
+]
+__version__ = "0.1.0"
+
+_WHERE = {
+    "BudgetPolicy": "mpckpt.config",
+    "UploadMode": "mpckpt.config",
+    "Checkpoint": "mpckpt.checkpoint",
+    "Checkpointer": "mpckpt.checkpointer",
+    "load": "mpckpt.checkpointer",
+    "CheckpointerStats": "mpckpt._futures",
+    "SaveFuture": "mpckpt._futures",
+    "SaveResult": "mpckpt._futures",
+    "SaveStats": "mpckpt._futures",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        return importlib.import_module("mpckpt.errors")
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

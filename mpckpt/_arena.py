@@ -1,0 +1,167 @@
+"""Reusable shared-memory slabs and the one byte budget over all of them.
+
+A slab is a named shared-memory segment, touched once when it is created (so no page fault
+is ever paid inside ``save``) and viewed as a flat uint8 tensor. A save takes one free slab
+per wave, copies into it, and gives it back once the uploaders have written that wave.
+
+INVARIANT: the bytes of all slabs that exist never exceed ``budget_bytes``. When a request
+does not fit, free slabs that are too small are unlinked to make room; if the budget is
+still full the caller's policy decides (``acquire`` waits with a timeout, ``try_acquire``
+returns None at once). So the shared memory mpckpt uses — measured from the outside as the
+size of its segments in /dev/shm — never exceeds the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from mpckpt._shm import Segment
+from mpckpt.errors import BudgetError, WaitTimeoutError
+
+_ROUND = 2 << 20  # slabs are sized in 2 MiB steps so similar requests reuse one
+
+
+class Slab:
+    """One segment and its uint8 tensor view; ``views`` caches typed views per layout."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.tensor = torch.frombuffer(segment.mmap, dtype=torch.uint8)
+        self.views: dict[Any, list[torch.Tensor]] = {}
+        self.in_use = False
+        self.pinned = False
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    @property
+    def capacity(self) -> int:
+        return self.segment.size
+
+
+class Arena:
+    """All slabs of one checkpointer, bounded by one byte budget."""
+
+    def __init__(self, budget_bytes: int, *, pin: bool = False) -> None:
+        self.budget_bytes = budget_bytes
+        self.pin = pin
+        self._slabs: list[Slab] = []
+        self._cond = threading.Condition()
+        self.peak_bytes = 0
+        self.closed = False
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(s.capacity for s in self._slabs)
+
+    def _fits(self, nbytes: int) -> Slab | None:
+        free = [s for s in self._slabs if not s.in_use and s.capacity >= nbytes]
+        return min(free, key=lambda s: s.capacity) if free else None
+
+    def _take(self, nbytes: int) -> Slab | None:
+        """A free slab of at least ``nbytes`` (reused, or made within the budget), or None."""
+        slab = self._fits(nbytes)
+        if slab is None:
+            size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)
+            if size < nbytes:
+                raise BudgetError(f"a wave of {nbytes} bytes is larger than the memory budget ({self.budget_bytes})")
+            for idle in sorted((s for s in self._slabs if not s.in_use), key=lambda s: s.capacity):
+                if self.allocated_bytes + size <= self.budget_bytes:
+                    break
+                self._drop(idle)
+            if self.allocated_bytes + size > self.budget_bytes:
+                return None
+            slab = self._create(size)
+        slab.in_use = True
+        return slab
+
+    def _create(self, size: int) -> Slab:
+        slab = Slab(Segment.create(size))
+        slab.tensor.zero_()  # touch every page now, not during a save
+        if self.pin and torch.cuda.is_available():
+            slab.pinned = _pin(slab.tensor)
+        self._slabs.append(slab)
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return slab
+
+    def _drop(self, slab: Slab) -> None:
+        self._slabs.remove(slab)
+        if slab.pinned:
+            _unpin(slab.tensor)
+        slab.views.clear()
+        del slab.tensor
+        slab.segment.close()
+        slab.segment.unlink()
+
+    def reserve(self, nbytes: int) -> None:
+        """Create (and touch) a free slab of ``nbytes`` now, if the budget allows."""
+        with self._cond:
+            if self._fits(nbytes) is None:
+                slab = self._take(min(nbytes, self.budget_bytes))
+                if slab is not None:
+                    slab.in_use = False
+
+    def try_acquire(self, nbytes: int) -> Slab | None:
+        with self._cond:
+            return self._take(nbytes)
+
+    def acquire(self, nbytes: int, *, timeout_s: float, on_wait: Callable[[], None] | None = None) -> Slab:
+        """A slab of at least ``nbytes``, waiting up to ``timeout_s`` for uploads to free one."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                slab = self._take(nbytes)
+                if slab is not None:
+                    return slab
+                if on_wait is not None:
+                    on_wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeoutError(
+                        f"waited {timeout_s:.0f}s for {nbytes} bytes of the memory budget ({self.budget_bytes}) "
+                        "while uploads were in flight; raise memory_budget, or timeout_s if storage is slow"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def release(self, slab: Slab) -> None:
+        with self._cond:
+            slab.in_use = False
+            if self.closed:
+                self._drop(slab)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Unlink every slab (those still in use are unlinked as soon as they are released)."""
+        with self._cond:
+            self.closed = True
+            for slab in [s for s in self._slabs if not s.in_use]:
+                self._drop(slab)
+            self._cond.notify_all()
+
+    def force_close(self) -> None:
+        """Unlink everything, in use or not (the process is going away)."""
+        with self._cond:
+            self.closed = True
+            for slab in list(self._slabs):
+                self._drop(slab)
+
+
+def _pin(t: torch.Tensor) -> bool:
+    """Page-lock a slab so device-to-host copies run at full speed; False if refused."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        return int(err) == 0
+    except Exception:
+        return False
+
+
+def _unpin(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:
+        pass

@@ -1,0 +1,148 @@
+"""What ``save``/``report`` hand back: a future of one checkpoint and its figures.
+
+Every save records its own timings: ``blocked_ms`` (how long the caller waited inside
+``save``), ``snapshot_ms`` (the copy into shared memory), ``persist_ms`` (from the end of the
+snapshot to the commit), bytes and MB/s. They are on the future and in ``Checkpointer.stats``.
+
+A background failure must surface exactly once: ``SaveFuture`` remembers whether the caller
+already saw the exception through ``result()``/``exception()``, and the checkpointer only
+raises the failures nobody has seen yet.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpckpt.errors import WaitTimeoutError
+
+
+@dataclass
+class SaveStats:
+    step: int
+    status: str = "pending"  # pending | committed | failed | skipped | coalesced
+    bytes: int = 0
+    blocked_ms: float = 0.0
+    snapshot_ms: float = 0.0
+    persist_ms: float = 0.0
+    written_bytes: int = 0   # bytes actually sent to storage (referenced files excluded)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.written_bytes / 1e6 / (self.persist_ms / 1e3) if self.persist_ms > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "status": self.status, "bytes": self.bytes, "written_bytes": self.written_bytes,
+            "blocked_ms": round(self.blocked_ms, 3), "snapshot_ms": round(self.snapshot_ms, 3),
+            "persist_ms": round(self.persist_ms, 3), "mb_per_s": round(self.mb_per_s, 1),
+        }
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    name: str | None          # folder of the committed checkpoint; None if skipped/coalesced
+    stats: SaveStats
+
+
+class SaveFuture:
+    """The outcome of one ``save``/``report``; ``result()`` waits for the commit."""
+
+    def __init__(self, stats: SaveStats) -> None:
+        self.stats = stats
+        self._future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        self._observed = False
+        self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        return self.stats.step
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            raise WaitTimeoutError(f"step {self.step}: not committed within {timeout}s") from e
+        except BaseException:
+            self._observed = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = self._future.exception(timeout)
+        if exc is not None:
+            self._observed = True
+        return exc
+
+    def add_done_callback(self, fn: Any) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    # -- internal ---------------------------------------------------------------------------
+    def _resolve(self, name: str | None) -> None:
+        with self._lock:
+            if not self._future.done():
+                self._future.set_result(SaveResult(self.step, name, self.stats))
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._future.done():
+                self.stats.status = "failed"
+                self._future.set_exception(exc)
+
+    def _unseen_exception(self) -> BaseException | None:
+        """The failure, once, if the caller never looked at it."""
+        if not self._future.done() or self._observed:
+            return None
+        exc = self._future.exception(0)
+        if exc is not None:
+            self._observed = True
+        return exc
+
+
+@dataclass
+class CheckpointerStats:
+    """Figures of every save of one checkpointer, and its counters."""
+
+    saves: list[SaveStats] = field(default_factory=list)
+    worker_restarts: int = 0
+    job_retries: int = 0
+    peak_shm_bytes: int = 0
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.saves if s.status == status)
+
+    @property
+    def committed(self) -> int:
+        return self.count("committed")
+
+    @property
+    def skipped(self) -> int:
+        return self.count("skipped")
+
+    @property
+    def coalesced(self) -> int:
+        return self.count("coalesced")
+
+    @property
+    def failed(self) -> int:
+        return self.count("failed")
+
+    def median(self, figure: str) -> float:
+        values = [getattr(s, figure) for s in self.saves if s.status == "committed"]
+        return statistics.median(values) if values else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "committed": self.committed, "skipped": self.skipped, "coalesced": self.coalesced,
+            "failed": self.failed, "worker_restarts": self.worker_restarts, "job_retries": self.job_retries,
+            "peak_shm_bytes": self.peak_shm_bytes,
+            "median_blocked_ms": round(self.median("blocked_ms"), 3),
+            "median_persist_ms": round(self.median("persist_ms"), 3),
+            "saves": [s.as_dict() for s in self.saves],
+        }

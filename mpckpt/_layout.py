@@ -1,0 +1,153 @@
+"""Plan where every tensor goes: waves of shared memory, shard files, byte offsets.
+
+A *wave* is what one shared-memory slab holds at a time. A state that fits the memory
+budget is one wave; a larger one is cut into waves of at most half the budget, so one wave
+can be copied while the previous is written (double buffering). A tensor larger than a wave
+is stored as consecutive flat chunks (``name#0``, ``name#1`` ...), each a valid safetensors
+entry; the skeleton says how to join them.
+
+Inside a wave the pieces are spread over one shard file per uploader with the
+longest-processing-time rule (largest first onto the least loaded shard) so the uploaders
+finish together. Inside a shard pieces are ordered by element size, largest first: every
+piece then starts at an offset aligned to its own element size, which lets the copy view the
+slab as the tensor's dtype, and the file needs no padding (safetensors allows no holes).
+
+A layout depends only on names, dtypes and shapes, so it is computed once and reused for
+every save of the same state; so are the tensor views into each slab.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpckpt.format.safetensors import ITEMSIZE, HeaderEntry, build_header
+
+_LAYOUT_IDS = itertools.count()
+SHARD_ALIGN = 64
+MIN_WAVE_BYTES = 1 << 20
+
+
+@dataclass
+class Piece:
+    leaf: int
+    key: str
+    code: str
+    shape: tuple[int, ...]   # shape as stored (flat for chunks)
+    chunk: tuple[int, int] | None  # flat element range of the leaf, or None for the whole leaf
+    nbytes: int
+    offset: int = 0          # in the wave's region
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.code]
+
+
+@dataclass
+class ShardPlan:
+    filename: str
+    pieces: list[Piece]
+    offset: int = 0          # in the wave's region
+    nbytes: int = 0
+    header: bytes = b""
+
+
+@dataclass
+class WavePlan:
+    shards: list[ShardPlan]
+    nbytes: int = 0          # slab bytes this wave needs
+
+
+@dataclass
+class Layout:
+    waves: list[WavePlan]
+    nbytes: int
+    # leaf index -> [(filename, key, chunk start, chunk end)], for the skeleton
+    parts: dict[int, list[tuple[str, str, int, int]]] = field(default_factory=dict)
+    key: int = field(default_factory=lambda: next(_LAYOUT_IDS))  # unique, unlike id()
+
+    @property
+    def max_wave_bytes(self) -> int:
+        return max((w.nbytes for w in self.waves), default=0)
+
+
+def _align(n: int, to: int = SHARD_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _pieces(leaves: list[Any], wave_cap: int) -> list[Piece]:
+    out: list[Piece] = []
+    for i, leaf in enumerate(leaves):
+        itemsize = ITEMSIZE[leaf.code]
+        shape = tuple(leaf.source.shape)
+        nbytes = leaf.nbytes
+        if nbytes <= wave_cap - SHARD_ALIGN:
+            out.append(Piece(i, leaf.name, leaf.code, shape, None, nbytes))
+            continue
+        per_chunk = max(1, (wave_cap - SHARD_ALIGN) // itemsize)
+        numel = nbytes // itemsize
+        for k, start in enumerate(range(0, numel, per_chunk)):
+            end = min(numel, start + per_chunk)
+            out.append(Piece(i, f"{leaf.name}#{k}", leaf.code, (end - start,), (start, end), (end - start) * itemsize))
+    return out
+
+
+def _balance(pieces: list[Piece], n_shards: int) -> list[list[Piece]]:
+    """Longest processing time first: biggest piece onto the least loaded bin."""
+    bins: list[list[Piece]] = [[] for _ in range(n_shards)]
+    heap = [(0, i) for i in range(n_shards)]
+    for piece in sorted(pieces, key=lambda p: -p.nbytes):
+        load, i = heapq.heappop(heap)
+        bins[i].append(piece)
+        heapq.heappush(heap, (load + piece.nbytes, i))
+    return [b for b in bins if b]
+
+
+def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_prefix: str = "") -> Layout:
+    """Assign every leaf (``.name``, ``.code``, ``.source``, ``.nbytes``) to waves and shards."""
+    total = sum(leaf.nbytes for leaf in leaves) + SHARD_ALIGN * max(1, workers)
+    wave_cap = total if total <= budget_bytes else max(MIN_WAVE_BYTES, budget_bytes // 2 // SHARD_ALIGN * SHARD_ALIGN)
+    pieces = _pieces(leaves, wave_cap)
+    if not pieces:
+        return Layout(waves=[], nbytes=0)
+
+    groups: list[list[Piece]] = [[]]
+    used = 0
+    for piece in pieces:
+        if groups[-1] and used + piece.nbytes + SHARD_ALIGN * (workers + 1) > wave_cap:
+            groups.append([])
+            used = 0
+        groups[-1].append(piece)
+        used += piece.nbytes
+
+    layout = Layout(waves=[], nbytes=0)
+    shard_index = 0
+    for group in groups:
+        wave = WavePlan(shards=[])
+        offset = 0
+        for bin_pieces in _balance(group, max(1, min(workers, len(group)))):
+            shard = ShardPlan(f"{file_prefix}shard-{shard_index:05d}.safetensors", [], offset=offset)
+            shard_index += 1
+            pos = 0
+            for piece in sorted(bin_pieces, key=lambda p: -p.itemsize):
+                piece.offset = offset + pos
+                pos += piece.nbytes
+                shard.pieces.append(piece)
+            shard.nbytes = pos
+            shard.header = build_header(
+                [HeaderEntry(p.key, p.code, p.shape, p.offset - offset, p.offset - offset + p.nbytes) for p in shard.pieces],
+                {"format": "pt", "producer": "mpckpt"},
+            )
+            for p in shard.pieces:
+                start, end = p.chunk if p.chunk else (0, -1)
+                layout.parts.setdefault(p.leaf, []).append((shard.filename, p.key, start, end))
+            wave.shards.append(shard)
+            offset = _align(offset + pos)
+        wave.nbytes = max(offset, SHARD_ALIGN)
+        layout.waves.append(wave)
+        layout.nbytes += wave.nbytes
+    for parts in layout.parts.values():
+        parts.sort(key=lambda part: part[2])
+    return layout

@@ -1,0 +1,258 @@
+"""The uploader pool: persistent worker processes, jobs in, results and exceptions out.
+
+One dispatcher thread owns every pipe: it hands one job at a time to each idle worker and
+waits on all pipes *and* all process sentinels at once, so a worker that dies (killed, out
+of memory, segfault) is noticed the moment it happens, not after a timeout. The dead worker
+is replaced and its job retried on the replacement, up to ``max_attempts`` times; after that
+the job fails with an ``UploadError`` naming the file and the exit code.
+
+Workers are started and pinged when the pool starts (so the first save finds them warm and
+a backend that cannot be opened fails at open), and niced below training.
+
+Callbacks (``Job.on_done``) run on the dispatcher thread; they must be short and must not
+raise (an exception there is recorded and surfaced by ``take_internal_error``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import multiprocess
+from multiprocess.connection import wait as mp_wait
+
+from mpckpt._worker import RemoteFailure, UploadJob, WriteJob, worker_main
+from mpckpt.errors import UploadError, WaitTimeoutError
+from mpckpt.storage import BackendSpec
+
+DoneCallback = Callable[["Job", "dict[str, Any] | None", "BaseException | None"], None]
+
+
+@dataclass
+class Job:
+    kind: str                       # "write" or "upload"
+    payload: WriteJob | UploadJob
+    on_done: DoneCallback
+    tag: Any = None                 # the checkpoint it belongs to (for cancel)
+    step: int | None = None
+    attempts: int = 0
+    id: int = field(default=0)
+
+
+class _Slot:
+    def __init__(self, process: Any, conn: Any) -> None:
+        self.process = process
+        self.conn = conn
+        self.job: Job | None = None
+
+
+class UploaderPool:
+    def __init__(
+        self, spec: BackendSpec, *, workers: int, start_method: str = "fork", nice: int = 10, max_attempts: int = 3
+    ) -> None:
+        self.spec = spec
+        self.n_workers = workers
+        self.nice = nice
+        self.max_attempts = max_attempts
+        self._ctx = multiprocess.get_context(start_method)
+        self._slots: list[_Slot] = []
+        self._pending: collections.deque[Job] = collections.deque()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._internal_errors: list[BaseException] = []
+        self.restarts = 0
+        self.retries = 0
+
+    # -- life cycle -----------------------------------------------------------------------
+    def _spawn(self) -> _Slot:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice), daemon=True,
+                                 name="mpckpt-uploader")
+        proc.start()
+        child.close()
+        return _Slot(proc, parent)
+
+    def start(self, *, timeout_s: float = 120.0) -> None:
+        """Start every worker and wait until each has opened the backend."""
+        self._slots = [self._spawn() for _ in range(self.n_workers)]
+        deadline = time.monotonic() + timeout_s
+        for slot in self._slots:
+            slot.conn.send(("ping", 0))
+        for slot in self._slots:
+            if not slot.conn.poll(max(0.0, deadline - time.monotonic())):
+                self.close(timeout_s=5)
+                raise WaitTimeoutError(f"uploader process {slot.process.pid} did not start within {timeout_s:.0f}s")
+            try:
+                status, _, payload = slot.conn.recv()
+            except EOFError as e:
+                code = slot.process.exitcode
+                self.close(timeout_s=5)
+                raise UploadError(f"uploader process died while starting (exit code {code})") from e
+            if status == "err":
+                self.close(timeout_s=5)
+                raise payload.rebuild()
+        self._thread = threading.Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.process.pid for s in self._slots]
+
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """Stop the workers (after their current job); kill any that do not stop in time."""
+        self._stopping = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        for slot in self._slots:
+            try:
+                slot.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for slot in self._slots:
+            slot.process.join(max(0.1, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                slot.process.kill()
+                slot.process.join(5)
+            slot.conn.close()
+        self._slots = []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- jobs -----------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        job.id = next(self._ids)
+        with self._lock:
+            self._pending.append(job)
+        self._wake()
+
+    def cancel(self, tag: Any) -> bool:
+        """Drop the queued jobs of ``tag`` if none of them has started; True if dropped."""
+        with self._lock:
+            if any(s.job is not None and s.job.tag == tag for s in self._slots):
+                return False
+            self._pending = collections.deque(j for j in self._pending if j.tag != tag)
+            return True
+
+    def started(self, tag: Any) -> bool:
+        with self._lock:
+            return any(s.job is not None and s.job.tag == tag for s in self._slots)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._pending) or any(s.job is not None for s in self._slots)
+
+    def take_internal_error(self) -> BaseException | None:
+        with self._lock:
+            return self._internal_errors.pop(0) if self._internal_errors else None
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- dispatcher thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                idle = not self._pending and all(s.job is None for s in self._slots)
+            if self._stopping and idle:
+                return
+            self._dispatch()
+            waitables: list[Any] = [self._wake_r]
+            for slot in self._slots:
+                waitables += [slot.conn, slot.process.sentinel]
+            try:
+                ready = mp_wait(waitables, timeout=1.0)
+            except OSError:
+                ready = []
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:
+                    pass
+            for slot in list(self._slots):
+                if slot.conn in ready or slot.process.sentinel in ready:
+                    self._service(slot)
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            for slot in self._slots:
+                if slot.job is None and self._pending:
+                    job = self._pending.popleft()
+                    job.attempts += 1
+                    slot.job = job
+                    try:
+                        slot.conn.send((job.kind, job.id, job.payload))
+                    except (OSError, ValueError):
+                        pass  # the sentinel tells us the worker died; the job is retried then
+
+    def _service(self, slot: _Slot) -> None:
+        try:
+            while slot.conn.poll():
+                status, job_id, payload = slot.conn.recv()
+                self._finish(slot, status, job_id, payload)
+        except (EOFError, OSError):
+            pass
+        if not slot.process.is_alive():
+            self._replace(slot)
+
+    def _finish(self, slot: _Slot, status: str, job_id: int, payload: Any) -> None:
+        with self._lock:
+            job = slot.job
+            slot.job = None
+        if job is None or job.id != job_id:
+            return
+        if status == "ok":
+            self._callback(job, payload, None)
+        else:
+            cause = payload.rebuild() if isinstance(payload, RemoteFailure) else RuntimeError(str(payload))
+            self._callback(job, None, cause)
+
+    def _replace(self, slot: _Slot) -> None:
+        code = slot.process.exitcode
+        slot.process.join(1)
+        slot.conn.close()
+        with self._lock:
+            job, slot.job = slot.job, None
+            index = self._slots.index(slot)
+        self.restarts += 1
+        if not self._stopping:
+            self._slots[index] = self._spawn()
+        else:
+            self._slots.pop(index)
+        if job is None:
+            return
+        if job.attempts < self.max_attempts and not self._stopping:
+            self.retries += 1
+            with self._lock:
+                self._pending.appendleft(job)
+            return
+        what = job.payload.relpath
+        err = UploadError(
+            f"step {job.step}: uploader process died (exit code {code}) while writing {what}; "
+            f"tried {job.attempts} time(s)",
+            step=job.step, shard=what,
+        )
+        self._callback(job, None, err)
+
+    def _callback(self, job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
+        try:
+            job.on_done(job, result, error)
+        except BaseException as e:  # never lose it: surfaced at the next save/wait/exit
+            with self._lock:
+                self._internal_errors.append(e)

@@ -1,0 +1,283 @@
+"""Flatten a training state into a JSON skeleton plus a table of tensors, and back.
+
+What a state may hold: dicts (keys: str, int, float, bool, None), lists, tuples, tensors,
+None, bool, int, float, str, bytes, torch.dtype / torch.Size / torch.device, and objects
+with ``state_dict()`` (modules, optimizers, schedulers), which are replaced by what that
+returns. Anything else is refused with a ``StateError`` naming the key, unless the caller
+opted in to pickle (``allow_pickle=True``).
+
+Tensors that share storage stay shared: identical views are stored once and come back as
+one tensor; different views of one storage are stored as one byte range of that storage
+(``base``) that every view is rebuilt from with ``as_strided``. Everything here runs before
+a byte is written, so bad input never leaves anything behind.
+
+Skeleton node encoding (JSON): lists are JSON arrays; str/int/bool/None and finite floats
+are themselves; every other node is an object ``{"__mpckpt__": tag, ...}`` with tag one of
+``dict`` (parallel ``k``/``v`` arrays, so int keys stay ints), ``tuple``, ``tensor`` (``id``
+into the tensor table), ``float`` (nan/inf), ``bytes``, ``dtype``, ``size``, ``device``,
+``pickle``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpckpt import _dtypes
+from mpckpt.errors import CorruptCheckpointError, StateError
+
+TAG = "__mpckpt__"
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor to store: its source (as written), and how to rebuild the original."""
+
+    name: str                     # safetensors key (derived from the first key path)
+    source: torch.Tensor          # what gets copied (real view for complex; uint8 for bases)
+    code: str                     # safetensors dtype code of ``source``
+    dtype: torch.dtype            # original dtype
+    shape: tuple[int, ...]        # original shape
+    raw: bool = False             # a byte range of a storage that several views share
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+@dataclass
+class FlatState:
+    tree: Any
+    leaves: list[TensorLeaf]
+    # table rows in skeleton order; a row is either {"leaf": i} or {"view_of": i, ...}
+    table: list[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+
+def _path(parent: str, key: Any) -> str:
+    return f"{parent}.{key}" if parent else str(key)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[TensorLeaf] = []
+        self.table: list[dict[str, Any]] = []
+        self.names: set[str] = set()
+        # storage key -> list of (table row index, tensor)
+        self.by_storage: dict[tuple[Any, int], list[tuple[int, torch.Tensor, str]]] = {}
+        self.active: set[int] = set()
+
+    def visit(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {TAG: "float", "v": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, (bytes, bytearray)):
+            return {TAG: "bytes", "v": base64.b64encode(bytes(value)).decode()}
+        if isinstance(value, torch.dtype):
+            return {TAG: "dtype", "v": _dtypes.dtype_name(value)}
+        if isinstance(value, torch.Size):
+            return {TAG: "size", "v": list(value)}
+        if isinstance(value, torch.device):
+            return {TAG: "device", "v": str(value)}
+        if isinstance(value, dict):
+            return self.container(value, path, self.mapping)
+        if isinstance(value, list):
+            return self.container(value, path, lambda v, p: [self.visit(x, _path(p, i)) for i, x in enumerate(v)])
+        if type(value) is tuple:
+            return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, _path(p, i)) for i, x in enumerate(v)]})
+        state_dict = getattr(value, "state_dict", None)
+        if callable(state_dict) and not isinstance(value, type):
+            return self.container(value, path, lambda v, p: self.visit(v.state_dict(), p))
+        return self.fallback(value, path)
+
+    def container(self, value: Any, path: str, fn: Any) -> Any:
+        if id(value) in self.active:
+            raise StateError(f"state key {path or '<root>'!r} contains itself (a reference cycle)", key=path)
+        self.active.add(id(value))
+        try:
+            return fn(value, path)
+        finally:
+            self.active.discard(id(value))
+
+    def mapping(self, value: dict, path: str) -> dict[str, Any]:
+        keys, vals = [], []
+        for k, v in value.items():
+            if not isinstance(k, _KEY_TYPES) or (isinstance(k, float) and not math.isfinite(k)):
+                raise StateError(
+                    f"state key {_path(path, repr(k))!r}: dict keys must be str, int, finite float, bool or None, "
+                    f"not {type(k).__name__}; convert the key to a string",
+                    key=_path(path, repr(k)),
+                )
+            keys.append(k)
+            vals.append(self.visit(v, _path(path, k)))
+        return {TAG: "dict", "k": keys, "v": vals}
+
+    def fallback(self, value: Any, path: str) -> Any:
+        where = path or "<root>"
+        if not self.allow_pickle:
+            raise StateError(
+                f"state key {where!r} holds a {type(value).__module__}.{type(value).__qualname__}, which mpckpt "
+                "cannot store as tensors or JSON; convert it to tensors/plain values, or pass allow_pickle=True "
+                "(loading it will then run pickle)",
+                key=path,
+            )
+        try:
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise StateError(f"state key {where!r}: cannot pickle {type(value).__name__} ({e})", key=path) from e
+        return {TAG: "pickle", "v": base64.b64encode(blob).decode()}
+
+    def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        where = path or "<root>"
+        if t.layout != torch.strided:
+            raise StateError(f"state key {where!r} is a {t.layout} tensor; call .to_dense() before saving", key=path)
+        if t.is_nested:
+            raise StateError(f"state key {where!r} is a nested tensor; unbind it into a list of tensors", key=path)
+        if t.is_quantized:
+            raise StateError(f"state key {where!r} is a quantized tensor; save .int_repr() and its scales", key=path)
+        if t.device.type == "meta":
+            raise StateError(f"state key {where!r} is on the meta device and has no data to save", key=path)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise StateError(
+                f"state key {where!r} is a tensor subclass {type(t).__name__}; save a plain tensor (e.g. .full_tensor())",
+                key=path,
+            )
+        if not _dtypes.is_supported(t.dtype):
+            raise StateError(f"state key {where!r} has dtype {t.dtype}, which mpckpt cannot store", key=path)
+        t = t.detach()
+        row = len(self.table)
+        self.table.append({})
+        if t.numel() == 0 or t.untyped_storage().data_ptr() == 0:
+            self.table[row] = {"leaf": self.add_leaf(t, path)}
+        else:
+            skey = (t.device, t.untyped_storage().data_ptr())
+            self.by_storage.setdefault(skey, []).append((row, t, path))
+        return {TAG: "tensor", "id": row}
+
+    def add_leaf(self, t: torch.Tensor, path: str, *, raw: bool = False) -> int:
+        name = path or "tensor"
+        while name in self.names:
+            name += "_"
+        self.names.add(name)
+        source, code = (t, "U8") if raw else _dtypes.storage_view(t)
+        self.leaves.append(TensorLeaf(name, source, code, t.dtype, tuple(t.shape), raw))
+        return len(self.leaves) - 1
+
+    def resolve_shared(self) -> None:
+        """Turn the storage groups into leaves: one per view, or one byte base per storage."""
+        for group in self.by_storage.values():
+            first_row, first, path = group[0]
+            sig = _view_signature(first)
+            if all(_view_signature(t) == sig for _, t, _ in group):
+                leaf = self.add_leaf(first, path)
+                for row, _, _ in group:
+                    self.table[row] = {"leaf": leaf}
+                continue
+            lo = min(t.storage_offset() * t.element_size() for _, t, _ in group)
+            hi = max(_end_byte(t) for _, t, _ in group)
+            base = torch.empty(0, dtype=torch.uint8, device=first.device)
+            base.set_(first.untyped_storage(), lo, (hi - lo,))
+            leaf = self.add_leaf(base, f"{path}@storage", raw=True)
+            for row, t, _ in group:
+                self.table[row] = {
+                    "view_of": leaf,
+                    "byte_offset": t.storage_offset() * t.element_size() - lo,
+                    "dtype": _dtypes.dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "stride": list(t.stride()),
+                }
+
+
+def _view_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _end_byte(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return t.storage_offset() * t.element_size()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (t.storage_offset() + last + 1) * t.element_size()
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+    """Split ``state`` into a skeleton tree and the tensors to store; raises ``StateError``."""
+    if state is None:
+        raise StateError("state is None; pass a dict such as {'model': model, 'optim': optimizer}")
+    f = _Flattener(allow_pickle)
+    tree = f.visit(state, "")
+    f.resolve_shared()
+    return FlatState(tree, f.leaves, f.table)
+
+
+# -- the way back ----------------------------------------------------------------------------
+
+def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape)."""
+    out = []
+    for i, row in enumerate(table):
+        if "leaf" in row:
+            out.append(leaves[row["leaf"]])
+            continue
+        try:
+            base = leaves[row["view_of"]]
+            dtype = _dtypes.dtype_from_name(row["dtype"])
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            offset = row["byte_offset"]
+            if offset % itemsize:
+                raise ValueError("misaligned view")
+            typed = base.view(dtype) if base.numel() % itemsize == 0 else base[: base.numel() - base.numel() % itemsize].view(dtype)
+            out.append(torch.as_strided(typed, row["shape"], row["stride"], offset // itemsize))
+        except (KeyError, ValueError, RuntimeError, IndexError) as e:
+            raise CorruptCheckpointError(f"tensor table row {i} describes an invalid view ({e})") from e
+    return out
+
+
+def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in)."""
+    if isinstance(node, list):
+        return [unflatten(x, tensors, allow_pickle=allow_pickle) for x in node]
+    if not isinstance(node, dict):
+        return node
+    tag = node.get(TAG)
+    try:
+        if tag == "dict":
+            return {k: unflatten(v, tensors, allow_pickle=allow_pickle) for k, v in zip(node["k"], node["v"], strict=True)}
+        if tag == "tuple":
+            return tuple(unflatten(x, tensors, allow_pickle=allow_pickle) for x in node["v"])
+        if tag == "tensor":
+            return tensors[node["id"]]
+        if tag == "float":
+            return float(node["v"])
+        if tag == "bytes":
+            return base64.b64decode(node["v"])
+        if tag == "dtype":
+            return _dtypes.dtype_from_name(node["v"])
+        if tag == "size":
+            return torch.Size(node["v"])
+        if tag == "device":
+            return torch.device(node["v"])
+        if tag == "pickle":
+            if not allow_pickle:
+                raise StateError(
+                    "this checkpoint holds a pickled value; loading it runs code from storage. "
+                    "Pass allow_pickle=True only if you trust where it came from"
+                )
+            return pickle.loads(base64.b64decode(node["v"]))
+    except StateError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"skeleton node {tag!r} is malformed ({e})") from e
+    raise CorruptCheckpointError(f"skeleton holds an unknown node {str(node)[:80]!r}")

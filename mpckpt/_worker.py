@@ -1,0 +1,170 @@
+"""The uploader process: reads jobs from its pipe, writes files, answers with results.
+
+Runs outside the training process's GIL and niced below it. Imports no torch: a job names a
+shared-memory segment, an offset and a length, and the data goes from that mapping to
+storage without passing through a pipe or being copied into the worker (the backend gets
+memoryview slices of the mapping).
+
+Messages (tuples, trainer -> worker):
+    ("ping", job_id)                       answered with ("ok", job_id, {"pid": ...})
+    ("write", job_id, WriteJob)            a shard: header bytes + a slab range
+    ("upload", job_id, UploadJob)          a file the user wrote (directory checkpoints)
+    ("stop",)                              exit cleanly
+Answers (worker -> trainer): ("ok", job_id, result dict) or ("err", job_id, RemoteFailure).
+
+If the trainer dies the worker dies with it (PR_SET_PDEATHSIG), so an orphaned uploader
+never keeps writing into a folder that the next run is cleaning up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from mpckpt._shm import Segment
+from mpckpt.storage import BackendSpec, open_backend
+
+_HASH_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    relpath: str
+    segment: str
+    segment_size: int
+    offset: int
+    length: int
+    header: bytes
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    relpath: str
+    local_path: str
+
+
+@dataclass
+class RemoteFailure:
+    """An exception from a worker: the original if it pickles, else its type name and text."""
+
+    exc: BaseException | None
+    type_name: str
+    message: str
+    remote_traceback: str
+
+    @classmethod
+    def capture(cls, e: BaseException) -> RemoteFailure:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        exc: BaseException | None = e
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:
+            exc = None
+        return cls(exc, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb)
+
+    def rebuild(self) -> BaseException:
+        exc = self.exc if self.exc is not None else RuntimeError(f"{self.type_name}: {self.message}")
+        exc.__traceback__ = None
+        exc.add_note(f"raised in an mpckpt uploader process:\n{self.remote_traceback.rstrip()}")
+        return exc
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Worker:
+    def __init__(self, spec: BackendSpec) -> None:
+        self.backend = open_backend(spec)
+        self.segments: dict[str, Segment] = {}
+
+    def segment(self, name: str, size: int) -> Segment:
+        seg = self.segments.get(name)
+        if seg is None or seg.size != size:
+            self.forget_missing_segments()  # a new slab often means old ones were dropped
+            seg = Segment.attach(name, size)
+            self.segments[name] = seg
+        return seg
+
+    def forget_missing_segments(self) -> None:
+        """Unmap segments the trainer unlinked, so their memory can really be freed."""
+        for name in list(self.segments):
+            if not os.path.exists(f"/dev/shm/{name}"):
+                self.segments.pop(name).close()
+
+    def write(self, job: WriteJob) -> dict[str, Any]:
+        started = time.perf_counter()
+        seg = self.segment(job.segment, job.segment_size)
+        data = memoryview(seg.mmap)[job.offset:job.offset + job.length]
+        try:
+            digest = xxhash.xxh3_64(job.header)
+            for pos in range(0, len(data), _HASH_CHUNK):
+                digest.update(data[pos:pos + _HASH_CHUNK])
+            self.backend.write_file(job.relpath, [job.header, data])
+        finally:
+            data.release()
+        return {"size": len(job.header) + job.length, "checksum": digest.hexdigest(),
+                "seconds": time.perf_counter() - started}
+
+    def upload(self, job: UploadJob) -> dict[str, Any]:
+        started = time.perf_counter()
+        digest = xxhash.xxh3_64()
+        size = 0
+        with open(job.local_path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        self.backend.upload_file(job.relpath, job.local_path)
+        return {"size": size, "checksum": digest.hexdigest(), "seconds": time.perf_counter() - started}
+
+
+def worker_main(conn: Any, spec: BackendSpec, nice: int) -> None:
+    """Entry point of an uploader process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        os.nice(nice)
+    except OSError:
+        pass
+    try:
+        worker: _Worker | None = _Worker(spec)
+        startup_error = None
+    except BaseException as e:  # reported on the first message, never swallowed
+        worker, startup_error = None, RemoteFailure.capture(e)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        job_id = msg[1]
+        if startup_error is not None:
+            conn.send(("err", job_id, startup_error))
+            continue
+        assert worker is not None
+        try:
+            if kind == "ping":
+                result: dict[str, Any] = {"pid": os.getpid()}
+            elif kind == "write":
+                result = worker.write(msg[2])
+            elif kind == "upload":
+                result = worker.upload(msg[2])
+            else:
+                raise ValueError(f"unknown job kind {kind!r}")
+            conn.send(("ok", job_id, result))
+        except BaseException as e:
+            conn.send(("err", job_id, RemoteFailure.capture(e)))

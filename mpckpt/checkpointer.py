@@ -1,0 +1,578 @@
+"""``Checkpointer``: the context manager a training loop holds.
+
+Opening it checks the root, takes the single-writer lock, removes what a crashed run left
+(staging folders, manifest-less checkpoint folders, orphaned shared memory), reads the
+committed checkpoints, and starts and warms the uploader processes. ``save`` then does, in
+the caller's thread: flatten the state (bad input fails here, before anything is written),
+take a slab from the budget, copy into it, queue one write job per shard, return a future.
+The uploaders write; the ledger commits in save order; leaving the block waits for all of
+it and raises what failed.
+
+Errors from the background surface exactly once: on the future if the caller looks there,
+otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step and the cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import warnings
+from typing import Any, Mapping
+
+from mpckpt import _shm
+from mpckpt._arena import Arena, Slab
+from mpckpt._copier import copy_wave, estimate_state_bytes
+from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
+from mpckpt._layout import Layout, plan_layout
+from mpckpt._ledger import Ledger, Pending, scan
+from mpckpt._pool import Job, UploaderPool
+from mpckpt._snapshot import FlatState, flatten
+from mpckpt._worker import UploadJob, WriteJob
+from mpckpt.checkpoint import Checkpoint, local_files
+from mpckpt.config import BudgetPolicy, Config, UploadMode
+from mpckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    MpckptError,
+    StepOrderError,
+    UploadError,
+)
+from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest, checkpoint_name
+from mpckpt.restore import SKELETON_VERSION, apply_state, load_checkpoint
+from mpckpt.storage import open_backend, spec_for_url
+
+log = logging.getLogger("mpckpt")
+_LAYOUT_CACHE = 8
+
+
+class Checkpointer:
+    """Asynchronous checkpoints of a training state into ``root`` (a path or URL)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        memory_budget: int | str | float | None = None,
+        workers: int | None = None,
+        policy: str | BudgetPolicy | None = None,
+        overlap: bool | None = None,
+        keep_last: int | None = None,
+        allow_pickle: bool = False,
+        timeout_s: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        start_method: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = Config.resolve(
+            memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
+            allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s,
+            start_method=start_method, environ=environ,
+        )
+        self._closed = True
+        self._spec = spec_for_url(root, dict(storage_options or {}))
+        self.backend = open_backend(self._spec)
+        self.backend.check_writable()
+        self._check_shm()
+        self._lock = self.backend.acquire_writer_lock(f"pid {os.getpid()} on {socket.gethostname()}")
+        self.pool: UploaderPool | None = None
+        try:
+            _shm.reap_orphans()
+            self.backend.cleanup_incomplete()
+            self.ledger = Ledger(self.backend, scan(self.backend, clean=True), on_committed=self._after_commit)
+            self.arena = Arena(self.config.memory_budget_bytes, pin=_cuda_available())
+            self.pool = UploaderPool(self._spec, workers=self.config.workers, start_method=self.config.start_method,
+                                     nice=self.config.nice, max_attempts=self.config.max_job_attempts)
+            self.pool.start()
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close(timeout_s=5)
+            self._lock.release()
+            raise
+        self._closed = False
+        self.stats = CheckpointerStats()
+        self._futures: list[SaveFuture] = []
+        self._layouts: dict[Any, Layout] = {}
+        self.reported: list[dict[str, Any]] = []
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def _check_shm(self) -> None:
+        free = _shm_free()
+        if free is not None and free < min(self.config.memory_budget_bytes, 64 << 20):
+            raise ConfigError(
+                f"/dev/shm has only {free >> 20} MiB free, below the memory budget; enlarge it "
+                "(docker: --shm-size=8g) or lower memory_budget / MPCKPT_MEMORY_BUDGET"
+            )
+        if free is not None and free < self.config.memory_budget_bytes:
+            warnings.warn(
+                f"mpckpt: /dev/shm has {free >> 20} MiB free, less than the memory budget "
+                f"({self.config.memory_budget_bytes >> 20} MiB); saves will stream through what is there",
+                stacklevel=3,
+            )
+            self.config = dataclasses.replace(self.config, memory_budget_bytes=int(free * 0.9))
+
+    # -- context manager ----------------------------------------------------------------------
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as e:  # keep the body's exception; mention ours on it
+            exc.add_note(f"mpckpt: while closing after this error: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Wait for every pending upload, stop the uploaders, free shared memory; raise failures."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self.ledger.close(timeout_s=self.config.timeout_s)
+            if self.pool is not None:
+                self.pool.close()
+            self.arena.close()
+            self.arena.force_close()
+            self._lock.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.arena.force_close()
+            except Exception:
+                pass
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        mode: UploadMode | str = UploadMode.ASYNC,
+    ) -> SaveFuture:
+        """Snapshot ``state`` for ``step``; return once copied (ASYNC) or committed (SYNC)."""
+        started = time.perf_counter()
+        self._check_usable()
+        mode = _mode(mode)
+        if mode is UploadMode.NO_UPLOAD:
+            raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
+        step = self._check_step(step)
+        metrics = _check_metrics(metrics)
+        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        layout = self._layout_for(flat)
+        stats = SaveStats(step, bytes=flat.nbytes)
+        future = SaveFuture(stats)
+        self.stats.saves.append(stats)
+
+        first = self._first_slab(layout, step) if layout.waves else None
+        if layout.waves and first is None:
+            stats.status = "skipped"
+            future._resolve(None)
+            warnings.warn(f"mpckpt: memory budget full, checkpoint of step {step} skipped (policy 'skip')",
+                          stacklevel=2)
+            stats.blocked_ms = (time.perf_counter() - started) * 1e3
+            return future
+        record = self.ledger.open(step, "state", future, metrics)
+        self._futures.append(future)
+        try:
+            record.staging = self.backend.stage(record.name)
+        except BaseException as e:
+            if first is not None:
+                self.arena.release(first)
+            self.ledger.resolve(record, "failed", e)
+            raise
+        record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
+        snap_start = time.perf_counter()
+        try:
+            for index in range(len(layout.waves)):
+                slab = first if index == 0 else self.arena.acquire(layout.waves[index].nbytes,
+                                                                   timeout_s=self.config.timeout_s)
+                assert slab is not None
+                copy_wave(flat, layout, index, slab)
+                self._submit_wave(record, layout, index, slab)
+        except BaseException as e:
+            self.ledger.resolve(record, "failed", e)
+            self.ledger.all_submitted(record)
+            raise
+        self.ledger.all_submitted(record)
+        record.snapshot_done_at = time.perf_counter()
+        stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
+        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards)
+        if mode is UploadMode.SYNC:
+            future.result(self.config.timeout_s)
+        stats.blocked_ms = (time.perf_counter() - started) * 1e3
+        return future
+
+    def _first_slab(self, layout: Layout, step: int) -> Slab | None:
+        need = layout.waves[0].nbytes
+        slab = self.arena.try_acquire(need)
+        if slab is not None:
+            return slab
+        policy = self.config.policy
+        if policy is BudgetPolicy.SKIP:
+            return None
+        if policy is BudgetPolicy.COALESCE:
+            self._coalesce_one()
+            slab = self.arena.try_acquire(need)
+            if slab is not None:
+                return slab
+        return self.arena.acquire(need, timeout_s=self.config.timeout_s, on_wait=self._raise_unseen)
+
+    def _coalesce_one(self) -> None:
+        """Drop the newest pending checkpoint none of whose uploads has started."""
+        assert self.pool is not None
+        for record in reversed(self.ledger.pending()):
+            if record.kind != "state" or record.outcome is not None or not record.submitted_all:
+                continue
+            if self.pool.cancel(record.seq):
+                record.future.stats.status = "coalesced"
+                for slab in record.slabs:
+                    self.arena.release(slab)
+                record.slabs.clear()
+                if record.staging is not None:
+                    self.backend.abort(record.staging)
+                self.ledger.resolve(record, "dropped")
+                return
+
+    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab) -> None:
+        assert self.pool is not None
+        wave = layout.waves[index]
+        left = {"jobs": len(wave.shards)}
+        record.slabs.append(slab)
+        with self.ledger.lock:
+            record.jobs_left += len(wave.shards)
+
+        def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
+            rel = job.payload.relpath.rsplit("/", 1)[-1]
+            if error is not None:
+                err = UploadError(f"step {record.step}: writing shard {rel} failed: {type(error).__name__}: {error}",
+                                  step=record.step, shard=rel)
+                err.__cause__ = error
+                self.ledger.resolve(record, "failed", err)
+                self.ledger.file_failed(record)
+            else:
+                assert result is not None
+                self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
+            left["jobs"] -= 1
+            if left["jobs"] == 0:
+                if slab in record.slabs:
+                    record.slabs.remove(slab)
+                self.arena.release(slab)
+
+        for shard in wave.shards:
+            payload = WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
+                               shard.offset, shard.nbytes, shard.header)
+            self.pool.submit(Job("write", payload, done, tag=record.seq, step=record.step))
+
+    def report(
+        self,
+        metrics: Mapping[str, Any] | None = None,
+        checkpoint: Checkpoint | None = None,
+        *,
+        step: int | None = None,
+        mode: UploadMode | str = UploadMode.ASYNC,
+        delete_local_after_upload: bool | None = None,
+    ) -> SaveFuture | None:
+        """Record metrics and, with ``checkpoint``, upload and commit a folder the user wrote.
+
+        By default the local folder is deleted after an ASYNC upload and kept after a SYNC one.
+        ``NO_UPLOAD`` commits a folder that is already on the checkpoint filesystem by moving it
+        into place (local roots only).
+        """
+        started = time.perf_counter()
+        self._check_usable()
+        mode = _mode(mode)
+        metrics = _check_metrics(metrics)
+        if step is None:
+            step = int(metrics["step"]) if "step" in metrics else (
+                0 if self.ledger.last_step is None else self.ledger.last_step + 1)
+        if checkpoint is None:
+            self.reported.append({"step": step, **metrics})
+            return None
+        if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
+            raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
+        step = self._check_step(step)
+        files = local_files(checkpoint.path)
+        if delete_local_after_upload is None:
+            delete_local_after_upload = mode is UploadMode.ASYNC
+        if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":
+            raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.url}; with a remote root use ASYNC or SYNC")
+        stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(checkpoint.path, f)) for f in files))
+        future = SaveFuture(stats)
+        self.stats.saves.append(stats)
+        record = self.ledger.open(step, "directory", future, metrics)
+        self._futures.append(future)
+        try:
+            record.staging = self.backend.stage(record.name)
+            if mode is UploadMode.NO_UPLOAD:
+                self._adopt_directory(record, checkpoint.path, files)
+            else:
+                self._submit_upload(record, checkpoint.path, files)
+                if delete_local_after_upload:
+                    record.after_commit.append(lambda: shutil.rmtree(checkpoint.path))
+        except BaseException as e:
+            self.ledger.resolve(record, "failed", e)
+            raise
+        finally:
+            self.ledger.all_submitted(record)
+        record.snapshot_done_at = time.perf_counter()
+        stats.written_bytes = stats.bytes
+        if mode is not UploadMode.ASYNC:
+            future.result(self.config.timeout_s)
+        stats.blocked_ms = (time.perf_counter() - started) * 1e3
+        return future
+
+    def _submit_upload(self, record: Pending, folder: str, files: list[str]) -> None:
+        assert self.pool is not None
+        with self.ledger.lock:
+            record.jobs_left += len(files)
+
+        def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
+            rel = job.payload.relpath[len(record.staging or "") + 1:]
+            if error is not None:
+                err = UploadError(f"step {record.step}: uploading {rel} failed: {type(error).__name__}: {error}",
+                                  step=record.step, shard=rel)
+                err.__cause__ = error
+                self.ledger.resolve(record, "failed", err)
+                self.ledger.file_failed(record)
+            else:
+                assert result is not None
+                self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
+
+        for rel in files:
+            payload = UploadJob(f"{record.staging}/{rel}", os.path.join(folder, rel))
+            self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step))
+
+    def _adopt_directory(self, record: Pending, folder: str, files: list[str]) -> None:
+        from mpckpt.format.manifest import checksum
+
+        target = os.path.join(self._spec.root, record.staging or "")
+        for rel in files:
+            with open(os.path.join(folder, rel), "rb") as f:
+                data = f.read()
+            record.files[rel] = FileEntry(len(data), checksum(data))
+        shutil.rmtree(target)
+        try:
+            os.rename(folder, target)
+        except OSError as e:
+            raise ConfigError(f"mode=NO_UPLOAD: cannot move {folder} into {self.url} ({e.strerror}); "
+                              "it must be on the same filesystem, or use ASYNC") from e
+
+    # -- waiting and errors -------------------------------------------------------------------
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending checkpoint is committed or failed; raise unseen failures."""
+        if self._closed:
+            return
+        self.ledger.wait(timeout_s=self.config.timeout_s if timeout_s is None else timeout_s)
+        self._raise_unseen()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise MpckptError("this Checkpointer is closed; open a new one")
+        self._raise_unseen()
+
+    def _raise_unseen(self) -> None:
+        assert self.pool is not None
+        internal = self.pool.take_internal_error()
+        if internal is not None:
+            raise internal
+        errors = []
+        for fut in self._futures:
+            exc = fut._unseen_exception()
+            if exc is not None:
+                errors.append(exc)
+        self._futures = [f for f in self._futures if not f.done()]
+        self.stats.worker_restarts = self.pool.restarts
+        self.stats.job_retries = self.pool.retries
+        self.stats.peak_shm_bytes = self.arena.peak_bytes
+        if errors:
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"also failed: {other}")
+            raise first
+
+    def _check_step(self, step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
+            raise ConfigError(f"step={step!r} must be an int")
+        step = int(step)
+        if step < 0:
+            raise ConfigError(f"step={step} must not be negative")
+        last = self.ledger.last_step
+        if last is not None and step <= last:
+            raise StepOrderError(
+                f"step {step} is not after the last saved step {last}; steps must increase "
+                "(committed checkpoints are never overwritten)"
+            )
+        return step
+
+    def _layout_for(self, flat: FlatState) -> Layout:
+        key = tuple((leaf.name, leaf.code, tuple(leaf.source.shape)) for leaf in flat.leaves)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = plan_layout(flat.leaves, budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
+            if len(self._layouts) >= _LAYOUT_CACHE:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout
+
+    def _after_commit(self, record: Pending, manifest: Manifest) -> None:
+        keep = self.config.keep_last
+        if keep is None:
+            return
+        from mpckpt.retention import keep_last_n
+
+        committed = sorted(self.ledger.committed.items())
+        referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
+        for (step, m), keep_it in zip(committed, keep_last_n(committed, keep)):
+            if not keep_it and checkpoint_name(step) not in referenced:
+                self.backend.delete(checkpoint_name(step))
+                with self.ledger.lock:
+                    self.ledger.committed.pop(step, None)
+
+    # -- warming ----------------------------------------------------------------------------------
+    def prepare(self, state: Any) -> int:
+        """Create and touch shared memory for ``state`` now (as its first save would need).
+
+        ``restore`` calls this for you. Returns the bytes reserved.
+        """
+        self._check_usable()
+        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        need = estimate_state_bytes(state, flat)
+        need = min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
+        self.arena.reserve(need)
+        return need
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def latest_step(self) -> int | None:
+        """The newest committed step (never moves past an uncommitted one)."""
+        return self.ledger.latest_step()
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        with self.ledger.lock:
+            return sorted(self.ledger.committed)
+
+    def best(self, n: int = 1, metric: str = "loss", mode: str = "min") -> list[int]:
+        """The ``n`` committed steps with the best ``metric`` (``mode`` 'min' or 'max')."""
+        if mode not in ("min", "max"):
+            raise ConfigError(f"best(mode={mode!r}): use 'min' or 'max'")
+        with self.ledger.lock:
+            scored = [(m.metrics[metric], s) for s, m in self.ledger.committed.items()
+                      if isinstance(m.metrics.get(metric), (int, float))]
+        scored.sort(key=lambda x: x[0], reverse=(mode == "max"))
+        return [s for _, s in scored[:n]]
+
+    def checkpoint(self, step: int | None = None) -> Checkpoint:
+        """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
+        step = self.latest_step if step is None else step
+        with self.ledger.lock:
+            manifest = self.ledger.committed.get(step) if step is not None else None
+        if manifest is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {self.url}")
+        name = checkpoint_name(manifest.step)
+        return Checkpoint(f"{self.url}/{name}", _stored=(self.backend, name, manifest))
+
+    def load(self, step: int | None = None) -> Any:
+        """The plain nested state of a committed checkpoint (default: the latest)."""
+        ckpt = self.checkpoint(step)
+        assert ckpt._stored is not None
+        backend, name, manifest = ckpt._stored
+        return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle)
+
+    def restore(self, state: Any, *, step: int | None = None, fallback: bool = False) -> int | None:
+        """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
+
+        Returns the restored step, or None when there is no checkpoint yet. With ``fallback``,
+        a checkpoint that does not verify is skipped for the newest older one that does.
+        Also warms shared memory for saving ``state``.
+        """
+        self._check_usable()
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        restored = None
+        for candidate in candidates:
+            try:
+                loaded = self.load(candidate)
+            except CorruptCheckpointError as e:
+                if not fallback or step is not None:
+                    raise
+                log.warning("mpckpt: step %s does not verify, trying an older one: %s", candidate, e)
+                continue
+            apply_state(state, loaded)
+            restored = candidate
+            break
+        else:
+            if candidates and fallback:
+                raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
+        self.prepare(state)
+        return restored
+
+
+def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:
+    """The JSON skeleton of one save: tree, tensor table and where each leaf's bytes are."""
+    from mpckpt._dtypes import dtype_name
+
+    leaves = [
+        {"name": leaf.name, "dtype": dtype_name(leaf.dtype), "shape": list(leaf.shape), "raw": leaf.raw,
+         "parts": [list(p) for p in layout.parts.get(i, [])]}
+        for i, leaf in enumerate(flat.leaves)
+    ]
+    doc = {"version": SKELETON_VERSION, "tree": flat.tree, "table": flat.table, "leaves": leaves}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False,
+         storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The plain nested state (dicts of tensors) of the latest committed checkpoint, or ``step``.
+
+    Needs no model or optimizer objects and never writes. Every file is verified.
+    """
+    backend = open_backend(spec_for_url(root, dict(storage_options or {})))
+    committed = scan(backend, clean=False)
+    if not committed:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
+    chosen = max(committed) if step is None else step
+    if chosen not in committed:
+        raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "
+                                      f"committed steps: {sorted(committed)[-10:]}")
+    return load_checkpoint(backend, checkpoint_name(chosen), committed[chosen], allow_pickle=allow_pickle)
+
+
+def _mode(mode: Any) -> UploadMode:
+    try:
+        return mode if isinstance(mode, UploadMode) else UploadMode(str(mode).lower())
+    except ValueError:
+        raise ConfigError(f"mode={mode!r} is not one of {[m.value for m in UploadMode]}") from None
+
+
+def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"metrics must be a dict of names to numbers, got {type(metrics).__name__}")
+    return {str(k): (v.item() if hasattr(v, "item") and callable(v.item) else v) for k, v in metrics.items()}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _shm_free() -> int | None:
+    from mpckpt.config import shm_free_bytes
+
+    return shm_free_bytes()

@@ -1,0 +1,107 @@
+"""The whole exception tree of mpckpt.
+
+    MpckptError
+    ├── ConfigError(ValueError)          bad argument, setting or MPCKPT_* variable; nothing written
+    ├── StateError(ValueError)           a value in the state cannot be stored (names the key)
+    ├── StepOrderError(ValueError)       a step that repeats or goes backwards
+    ├── StorageError                     the backend failed
+    │   ├── TransientStorageError        worth a retry (5xx, throttling, resets, timeouts)
+    │   ├── CheckpointNotFoundError      no such checkpoint / file (also LookupError)
+    │   ├── CommitConflictError          someone else committed this step first
+    │   └── StorageFullError             ENOSPC / quota; earlier checkpoints are intact
+    ├── CorruptCheckpointError           a checksum, size, header or manifest does not verify
+    │   └── UnsupportedFormatError       written by a newer mpckpt format version
+    ├── UploadError                      a background upload failed (carries step and shard)
+    ├── BudgetError                      the memory budget cannot be honoured (also TimeoutError
+    │                                    subclasses below for bounded waits)
+    ├── WaitTimeoutError(TimeoutError)   a bounded wait ran out
+    ├── LockedError                      another live writer holds the checkpoint folder
+    └── DistributedCommitError           a rank's part is missing (carries the rank)
+
+Every error raised from a lower-level cause is chained with ``raise ... from e``. A failure in
+an uploader process comes back as the original exception type where it can be rebuilt, with
+the remote traceback attached as a note.
+"""
+
+from __future__ import annotations
+
+
+class MpckptError(Exception):
+    """Base class of every error mpckpt raises on purpose."""
+
+
+class ConfigError(MpckptError, ValueError):
+    """An argument, setting or environment variable has a bad value."""
+
+
+class StateError(MpckptError, ValueError):
+    """A value in the state passed to ``save`` cannot be stored."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StepOrderError(MpckptError, ValueError):
+    """A step repeats or goes backwards."""
+
+
+class StorageError(MpckptError):
+    """The storage backend failed."""
+
+
+class TransientStorageError(StorageError):
+    """A storage failure that a retry may cure."""
+
+
+class CheckpointNotFoundError(StorageError, LookupError):
+    """The requested checkpoint or file does not exist."""
+
+
+class CommitConflictError(StorageError):
+    """The checkpoint was already committed by another writer."""
+
+
+class StorageFullError(StorageError):
+    """The storage ran out of space (ENOSPC) or quota."""
+
+
+class CorruptCheckpointError(MpckptError):
+    """A checkpoint does not verify: checksum, size, header or manifest."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsupportedFormatError(CorruptCheckpointError):
+    """The checkpoint was written in a format version this mpckpt does not read."""
+
+
+class UploadError(MpckptError):
+    """A background upload of one checkpoint failed."""
+
+    def __init__(self, message: str, *, step: int | None = None, shard: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.shard = shard
+
+
+class BudgetError(MpckptError):
+    """The memory budget cannot be honoured for this request."""
+
+
+class WaitTimeoutError(MpckptError, TimeoutError):
+    """A bounded wait ran out of time."""
+
+
+class LockedError(MpckptError):
+    """Another live process writes to this checkpoint folder."""
+
+
+class DistributedCommitError(MpckptError):
+    """A rank's part of a distributed checkpoint is missing or failed."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank

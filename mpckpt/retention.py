@@ -1,0 +1,57 @@
+"""Retention policies as pure functions over committed checkpoints.
+
+A policy takes the committed checkpoints, oldest first, as ``(step, manifest)`` pairs and
+returns one keep/delete decision per entry. Policies never look at the clock or storage
+themselves (``now`` is passed in), so they are tested without either, and they combine:
+``keep_any`` keeps what any policy keeps. The newest checkpoint is always kept, and the
+checkpointer never deletes a folder that a newer manifest still references.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from mpckpt.errors import ConfigError
+
+Records = Sequence[tuple[int, Any]]
+Policy = Callable[[Records], list[bool]]
+
+
+def _with_newest(keep: list[bool]) -> list[bool]:
+    if keep:
+        keep[-1] = True
+    return keep
+
+
+def keep_last_n(records: Records, n: int) -> list[bool]:
+    """Keep the ``n`` newest."""
+    if n < 1:
+        raise ConfigError(f"keep_last={n} must be at least 1")
+    return _with_newest([i >= len(records) - n for i in range(len(records))])
+
+
+def keep_best_n(records: Records, n: int, metric: str, mode: str = "min") -> list[bool]:
+    """Keep the ``n`` with the best ``metric`` (checkpoints without it are not kept by this rule)."""
+    if mode not in ("min", "max"):
+        raise ConfigError(f"keep_best_n(mode={mode!r}): use 'min' or 'max'")
+    scored = [(m.metrics.get(metric), i) for i, (_, m) in enumerate(records)
+              if isinstance(m.metrics.get(metric), (int, float))]
+    scored.sort(key=lambda x: x[0], reverse=(mode == "max"))
+    best = {i for _, i in scored[:n]}
+    return _with_newest([i in best for i in range(len(records))])
+
+
+def keep_every_n_steps(records: Records, n: int) -> list[bool]:
+    """Keep checkpoints whose step is a multiple of ``n`` (long-term milestones)."""
+    return _with_newest([step % n == 0 for step, _ in records])
+
+
+def keep_newer_than(records: Records, seconds: float, now: float) -> list[bool]:
+    """Keep checkpoints created within ``seconds`` before ``now``."""
+    return _with_newest([now - m.created_unix <= seconds for _, m in records])
+
+
+def keep_any(records: Records, *policies: Policy) -> list[bool]:
+    """Keep what any of ``policies`` keeps."""
+    votes = [p(records) for p in policies]
+    return _with_newest([any(v[i] for v in votes) for i in range(len(records))])

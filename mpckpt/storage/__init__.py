@@ -1,0 +1,59 @@
+"""Storage backends and the registry that picks one from a URL.
+
+* a plain path or ``file://`` -> ``LocalBackend`` (direct writes, fsync, atomic rename);
+* ``az://`` / ``abfs://`` / ``abfss://`` -> ``AzureBlobBackend`` (needs ``mpckpt[azure]``);
+* any other scheme fsspec knows (``memory://``, ``s3://``, ``gs://`` ...) -> ``FsspecBackend``.
+
+Optional backends are imported only when their scheme is used, with an install hint when
+their package is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpckpt.errors import ConfigError
+from mpckpt.storage.base import MANIFEST_NAME, Backend, BackendSpec, check_relpath
+
+__all__ = ["MANIFEST_NAME", "Backend", "BackendSpec", "check_relpath", "open_backend", "spec_for_url"]
+
+_AZURE_SCHEMES = ("az", "abfs", "abfss")
+
+
+def spec_for_url(url: str, options: dict[str, Any] | None = None) -> BackendSpec:
+    """Split a root URL into the backend spec that serves it."""
+    import os
+
+    if not isinstance(url, (str, os.PathLike)):
+        raise ConfigError(f"checkpoint root must be a path or URL string, got {type(url).__name__}")
+    url = os.fspath(url)
+    if not url:
+        raise ConfigError("checkpoint root is empty; pass a folder path or a URL such as s3://bucket/run")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return BackendSpec("file", os.path.abspath(url), dict(options or {}))
+    scheme = scheme.lower()
+    if scheme == "file":
+        return BackendSpec("file", os.path.abspath(rest), dict(options or {}))
+    return BackendSpec(scheme, url, dict(options or {}))
+
+
+def open_backend(spec: BackendSpec) -> Backend:
+    """Build the backend a spec describes (in the training process or in an uploader)."""
+    if spec.scheme == "file":
+        from mpckpt.storage.local import LocalBackend
+
+        return LocalBackend(spec.root)
+    if spec.scheme in _AZURE_SCHEMES:
+        try:
+            from mpckpt.storage.azure import AzureBlobBackend
+        except ImportError as e:
+            raise ConfigError(
+                f"{spec.root}: install mpckpt[azure] (azure-storage-blob) for {spec.scheme}:// URLs"
+            ) from e
+        return AzureBlobBackend.from_spec(spec)
+    try:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+    except ImportError as e:
+        raise ConfigError(f"{spec.root}: install fsspec for {spec.scheme}:// URLs") from e
+    return FsspecBackend.from_spec(spec)

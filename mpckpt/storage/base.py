@@ -1,0 +1,166 @@
+"""The one protocol every storage backend implements, and the spec that rebuilds it.
+
+A backend stores checkpoints under one root. Every path it is given is *relative to that
+root*, uses ``/`` and never escapes it (``check_relpath`` enforces this). A checkpoint is a
+folder ``<name>/`` holding data files and, last, ``manifest.json``.
+
+Two commit protocols exist because storages differ in what they make atomic:
+
+* POSIX filesystems can rename a folder atomically, so ``stage`` returns a temporary folder
+  beside the destination, files are fsynced there, and ``commit`` writes the manifest, fsyncs
+  and renames the folder into place.
+* Object stores have no rename, so ``stage`` returns the final prefix itself, data files are
+  written there, and ``commit`` writes the manifest last with a create-only condition. Until
+  the manifest exists the checkpoint does not exist for any reader.
+
+Either way: a checkpoint without a valid manifest is never listed or loaded, and ``commit``
+raises ``CommitConflictError`` rather than replace a manifest that is already there.
+
+Backends are created in the training process and, from their ``spec()``, again inside each
+uploader process; a spec is a small picklable recipe (scheme, root, options). Options can
+carry credentials: ``BackendSpec.__repr__`` never shows them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from mpckpt.errors import ConfigError
+
+MANIFEST_NAME = "manifest.json"
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A picklable recipe for a backend: ``open_backend(spec)`` rebuilds it anywhere."""
+
+    scheme: str
+    root: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # options may hold credentials: never print them
+        return f"BackendSpec(scheme={self.scheme!r}, root={self.root!r}, options=<{len(self.options)} hidden>)"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Storage for one checkpoint root. Methods may be called from several threads."""
+
+    #: A printable location (never contains credentials).
+    url: str
+
+    def spec(self) -> BackendSpec:
+        """The recipe that rebuilds this backend in another process."""
+        ...
+
+    # -- set-up --------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Fail now, with a clear error naming the URL, if checkpoints cannot be written."""
+        ...
+
+    # -- writing (uploader processes and the committer) -------------------------------
+    def stage(self, name: str) -> str:
+        """Prepare to write checkpoint ``name``; return the staging folder (relative path).
+
+        Raises ``CommitConflictError`` if ``name`` is already committed.
+        """
+        ...
+
+    def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
+        """Write the concatenation of ``parts`` as one file, durably (fsync or equivalent).
+
+        ``parts`` are usually memoryview slices of shared memory: never copy them whole.
+        Overwrites a partial file left by an earlier attempt at the same path.
+        """
+        ...
+
+    def upload_file(self, relpath: str, local_path: str) -> None:
+        """Copy a file from the local filesystem to ``relpath``, durably."""
+        ...
+
+    def commit(self, staging: str, name: str, manifest: bytes) -> None:
+        """Atomically publish ``staging`` as checkpoint ``name`` with ``manifest`` written last.
+
+        INVARIANT: the manifest is the last thing written; on conflict nothing is replaced.
+        """
+        ...
+
+    def abort(self, staging: str) -> None:
+        """Remove what a failed attempt wrote under ``staging`` (never a committed manifest)."""
+        ...
+
+    # -- reading ------------------------------------------------------------------------
+    def list_names(self) -> list[str]:
+        """Names of the top-level folders under the root (committed or not)."""
+        ...
+
+    def read_bytes(self, relpath: str) -> bytes:
+        """A whole (small) file. ``CheckpointNotFoundError`` if it does not exist."""
+        ...
+
+    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of the file.
+
+        ``CorruptCheckpointError`` if the file is shorter than that.
+        """
+        ...
+
+    def size(self, relpath: str) -> int:
+        """Size in bytes of a file. ``CheckpointNotFoundError`` if it does not exist."""
+        ...
+
+    def exists(self, relpath: str) -> bool:
+        """Whether a file exists."""
+        ...
+
+    # -- housekeeping -------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Delete checkpoint folder ``name``: manifest first, so it stops existing at once."""
+        ...
+
+    def cleanup_incomplete(self) -> list[str]:
+        """Remove staging folders this backend's ``stage`` left behind; return their paths.
+
+        Called at open while the writer lock is held, so no live writer owns them. Folders
+        without a manifest under a checkpoint's own name are removed by the ledger through
+        ``delete`` (on object stores a staging folder *is* that name).
+        """
+        ...
+
+    def acquire_writer_lock(self, owner: str) -> "WriterLock":
+        """Take the single-writer lock of this root or raise ``LockedError``.
+
+        A lock held by a dead process must not block forever: local disk uses ``flock``
+        (released by the kernel), object stores a lease object that expires unless renewed.
+        """
+        ...
+
+
+class WriterLock(Protocol):
+    """A held single-writer lock; ``release`` is idempotent."""
+
+    def renew(self) -> None:
+        """Extend the lease (a no-op where the kernel tracks liveness)."""
+        ...
+
+    def release(self) -> None:
+        """Give the lock up."""
+        ...
+
+
+def check_relpath(relpath: str) -> str:
+    """Return ``relpath`` normalised, or raise ``ConfigError`` if it could escape the root."""
+    if not isinstance(relpath, str) or not relpath:
+        raise ConfigError(f"storage path {relpath!r} is empty or not a string")
+    if "\\" in relpath or "\x00" in relpath:
+        raise ConfigError(f"storage path {relpath!r} contains a backslash or NUL byte")
+    if relpath.startswith("/"):
+        raise ConfigError(f"storage path {relpath!r} is absolute; paths must be relative to the root")
+    norm = posixpath.normpath(relpath)
+    if norm == ".." or norm.startswith("../") or norm == ".":
+        raise ConfigError(f"storage path {relpath!r} escapes the checkpoint root")
+    return norm

@@ -1,0 +1,379 @@
+"""Checkpoints in any fsspec filesystem (``memory://``, ``s3://`` via s3fs, ``gs://`` ...).
+
+Commit protocol (object store): there is no rename, so ``stage(name)`` returns ``name`` itself
+after clearing what a failed earlier attempt left there, data files are written straight to
+their final keys, and ``commit`` writes ``manifest.json`` last with a create-only condition.
+Readers ignore folders without a manifest, so a half-written checkpoint never exists.
+
+How atomic "create-only" is depends on the filesystem: s3fs sends ``If-None-Match: *`` (AWS S3,
+moto and most S3-compatible stores honour it); ``memory://`` checks and sets in one call; other
+filesystems get check-then-write, which two writers racing within one round trip could both
+pass. The single-writer lease (``_lease.py``) is what keeps two writers apart in the first place.
+
+Every client call goes through ``_retry.retry``: throttling, 5xx and connection errors become
+``TransientStorageError`` and are retried with backoff; missing files become
+``CheckpointNotFoundError``. Storage options may hold credentials: they never appear in
+``url``, reprs or messages (``_redact``).
+"""
+
+from __future__ import annotations
+
+import errno
+import posixpath
+import secrets
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile
+
+from mpckpt.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ConfigError,
+    CorruptCheckpointError,
+    MpckptError,
+    StorageError,
+    TransientStorageError,
+)
+from mpckpt.storage import _lease
+from mpckpt.storage._redact import redact_url, scrub
+from mpckpt.storage._retry import DEFAULT_ATTEMPTS, retry
+from mpckpt.storage.base import MANIFEST_NAME, BackendSpec, Buffer, check_relpath
+
+T = TypeVar("T")
+
+#: Options mpckpt reads itself; everything else is handed to fsspec as storage_options.
+MPCKPT_OPTIONS = ("create", "lease_s", "retry_attempts")
+_READ_CHUNK = 64 << 20  # ranged reads in pieces: bounded temporary memory
+_WRITE_CHUNK = 8 << 20  # fits s3fs's buffer so a big part never lands in it whole
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "connection", "session")
+_TRANSIENT_ERRNOS = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ETIMEDOUT, errno.ECONNRESET,
+                     errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.EAGAIN}
+_TRANSIENT_TYPES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+                    "HTTPClientError", "ProxyConnectionError", "ResponseParserError", "IncompleteRead",
+                    "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ServerDisconnectedError",
+                    "ServerTimeoutError", "ClientPayloadError", "FSTimeoutError"}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                    "RequestTimeout", "InternalError", "ServiceUnavailable", "500", "502", "503", "504", "429"}
+_PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether an error from fsspec or its client library is worth a retry."""
+    for exc in _causes(e):
+        if isinstance(exc, (TimeoutError, ConnectionError)):
+            return True
+        if any(cls.__name__ in _TRANSIENT_TYPES for cls in type(exc).__mro__):
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):  # botocore ClientError
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if (isinstance(status, int) and (status >= 500 or status == 429)) or code in _TRANSIENT_CODES:
+                return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+def _secret_values(options: dict[str, Any]) -> list[str]:
+    """String values of options whose name suggests a credential (searched recursively)."""
+    found: list[str] = []
+    for key, value in options.items():
+        if isinstance(value, dict):
+            found.extend(_secret_values(value))
+        elif isinstance(value, str) and any(w in str(key).lower() for w in _SECRET_WORDS):
+            found.append(value)
+    return found
+
+
+def _abandon(f: Any) -> None:
+    """Drop a half-written file without publishing it (s3fs would otherwise upload on close)."""
+    try:
+        discard = getattr(f, "discard", None)
+        if callable(discard):
+            discard()
+        if isinstance(f, AbstractBufferedFile):
+            f.closed = True
+        else:
+            f.close()
+    except Exception:  # noqa: BLE001 - cleanup must not hide the original error
+        pass
+
+
+class _FsspecLeaseStore:
+    """The lease object through fsspec; ETag conditions on s3fs, write-then-verify elsewhere."""
+
+    def __init__(self, backend: FsspecBackend) -> None:
+        self._b = backend
+        self._path = backend._path(_lease.LOCK_NAME)
+        self.compare_and_swap = backend._is_s3
+
+    def load(self) -> _lease.LeaseObject | None:
+        def get() -> _lease.LeaseObject | None:
+            self._b.fs.invalidate_cache(self._path)
+            try:
+                tag = self._b.fs.info(self._path).get("ETag")
+                return _lease.LeaseObject(self._b.fs.cat_file(self._path), tag)
+            except FileNotFoundError:
+                return None
+        return self._b._call(f"read the writer lease {self._b._show(_lease.LOCK_NAME)}", get)
+
+    def _put(self, data: bytes, **conditions: Any) -> None:
+        def put() -> None:
+            try:
+                self._b.fs.pipe_file(self._path, data, **conditions)
+            except FileExistsError as e:
+                raise _lease.LeaseLost from e
+            except OSError as e:
+                if "PreconditionFailed" in repr(e.__cause__) or "pre-condition" in str(e):
+                    raise _lease.LeaseLost from e
+                raise
+        self._b._call(f"write the writer lease {self._b._show(_lease.LOCK_NAME)}", put)
+
+    def create(self, data: bytes) -> None:
+        self._put(data, mode="create")
+
+    def replace(self, data: bytes, tag: str | None) -> None:
+        self._put(data, **({"IfMatch": tag} if self.compare_and_swap and tag else {}))
+
+    def remove(self, tag: str | None) -> None:
+        self._b._call(f"delete the writer lease {self._b._show(_lease.LOCK_NAME)}",
+                      lambda: self._b._rm_quiet(self._path))
+
+
+class FsspecBackend:
+    """Checkpoints under one root URL of an fsspec filesystem."""
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        self._options = dict(options or {})
+        fs_options = {k: v for k, v in self._options.items() if k not in MPCKPT_OPTIONS}
+        self._create = bool(self._options.get("create", False))
+        self._lease_s = _lease.parse_lease_s(self._options.get("lease_s", _lease.DEFAULT_LEASE_S))
+        self._attempts = int(self._options.get("retry_attempts", DEFAULT_ATTEMPTS))
+        self._secrets = _secret_values(self._options)
+        self._spec_root = url
+        self._scheme = url.partition("://")[0].lower()
+        self.url = redact_url(url).rstrip("/")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **fs_options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise ConfigError(f"{self.url}: cannot open this filesystem ({scrub(str(e), self._secrets)}); "
+                              "check the URL scheme, install its fsspec package, and check the storage options") from e
+        self._root = root.rstrip("/")
+        self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    @classmethod
+    def from_spec(cls, spec: BackendSpec) -> FsspecBackend:
+        return cls(spec.root, spec.options)
+
+    def spec(self) -> BackendSpec:
+        return BackendSpec(self._scheme, self._spec_root, dict(self._options))
+
+    def __repr__(self) -> str:
+        return f"FsspecBackend({self.url!r})"
+
+    # -- helpers --------------------------------------------------------------------------
+    def _path(self, relpath: str) -> str:
+        rel = check_relpath(relpath)
+        return f"{self._root}/{rel}" if self._root else rel
+
+    def _show(self, relpath: str) -> str:
+        return f"{self.url}/{relpath}"
+
+    def _translate(self, e: Exception, what: str) -> MpckptError:
+        detail = scrub(f"{type(e).__name__}: {e}", self._secrets)
+        if isinstance(e, FileNotFoundError):
+            return CheckpointNotFoundError(f"{what}: it does not exist ({detail})")
+        if is_transient(e):
+            return TransientStorageError(f"{what}: {detail}")
+        if isinstance(e, PermissionError):
+            return StorageError(f"{what}: permission denied ({detail}); check the credentials and bucket policy")
+        return StorageError(f"{what}: {detail}")
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one client operation with error translation and bounded retries."""
+        def attempt() -> T:
+            try:
+                return fn()
+            except (MpckptError, _lease.LeaseLost, *_PROGRAMMING_ERRORS):
+                raise
+            except Exception as e:
+                raise self._translate(e, what) from e
+        return retry(attempt, what=what, attempts=self._attempts)
+
+    def _rm_quiet(self, path: str, recursive: bool = False) -> None:
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    # -- set-up --------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        probe = self._path(f".mpckpt.probe.{secrets.token_hex(4)}")
+        try:
+            if self._create:
+                self.fs.makedirs(self._root, exist_ok=True)
+            self.fs.pipe_file(probe, b"mpckpt write probe")
+            self._rm_quiet(probe)
+        except FileNotFoundError as e:
+            bucket = self._root.split("/")[0]
+            example = f" (for example `aws s3 mb s3://{bucket}`)" if self._is_s3 else ""
+            raise ConfigError(f"{self.url}: the bucket {bucket!r} does not exist; create it{example} "
+                              "or pass the storage option create=True") from e
+        except PermissionError as e:
+            raise ConfigError(f"{self.url}: no permission to write ({scrub(str(e), self._secrets)}); "
+                              "check the credentials and the bucket policy") from e
+        except Exception as e:
+            if isinstance(e, _PROGRAMMING_ERRORS):
+                raise
+            hint = ("cannot reach the storage endpoint; check the endpoint URL and the network"
+                    if is_transient(e) else "check the URL, credentials and storage options")
+            raise ConfigError(f"{self.url} is not writable: {scrub(f'{type(e).__name__}: {e}', self._secrets)}; "
+                              f"{hint}") from e
+
+    def acquire_writer_lock(self, owner: str) -> _lease.LeaseLock:
+        lock = _lease.LeaseLock(_FsspecLeaseStore(self), owner=owner, where=self.url, lease_s=self._lease_s)
+        return lock.acquire()
+
+    # -- writing ------------------------------------------------------------------------
+    def stage(self, name: str) -> str:
+        prefix = self._path(name)
+        if self.exists(f"{name}/{MANIFEST_NAME}"):
+            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
+        # Leftovers of a failed earlier attempt would otherwise mix with the new files.
+        self._call(f"clear leftovers under {self._show(name)}", lambda: self._rm_quiet(prefix, recursive=True))
+        return name
+
+    def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
+        path = self._path(relpath)
+
+        def put() -> None:
+            f = self.fs.open(path, "wb")
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    for pos in range(0, len(view), _WRITE_CHUNK):
+                        f.write(view[pos:pos + _WRITE_CHUNK])
+            except BaseException:
+                _abandon(f)
+                raise
+            f.close()
+        self._call(f"write {self._show(relpath)}", put)
+
+    def upload_file(self, relpath: str, local_path: str) -> None:
+        import os
+
+        if not os.path.isfile(local_path):
+            raise CheckpointNotFoundError(f"cannot upload {local_path}: it does not exist")
+        path = self._path(relpath)
+        self._call(f"upload {local_path} to {self._show(relpath)}", lambda: self.fs.put_file(local_path, path))
+
+    def commit(self, staging: str, name: str, manifest: bytes) -> None:
+        if check_relpath(staging) != check_relpath(name):
+            raise ConfigError(f"{self.url}: object stores stage in place; staging {staging!r} must equal {name!r}")
+        rel = f"{name}/{MANIFEST_NAME}"
+        path = self._path(rel)
+        if self.exists(rel):  # also catches stores that ignore the create-only condition
+            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; not replaced")
+        retried = False
+
+        def put() -> None:
+            nonlocal retried
+            try:
+                # INVARIANT: the manifest is written last, create-only.
+                self.fs.pipe_file(path, bytes(manifest), mode="create")
+            except FileExistsError as e:
+                if retried and self._read_quiet(path) == bytes(manifest):
+                    return  # our own earlier attempt landed before its reply was lost
+                raise CommitConflictError(f"checkpoint {name} appeared in {self.url} while committing; "
+                                          "not replaced") from e
+            except Exception:
+                retried = True
+                raise
+        self._call(f"commit {self._show(name)}", put)
+
+    def _read_quiet(self, path: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(path)
+        except Exception:  # noqa: BLE001 - only used to recognise our own write
+            return None
+
+    def abort(self, staging: str) -> None:
+        if self.exists(f"{staging}/{MANIFEST_NAME}"):
+            return  # committed (by us or another writer): never removed by an abort
+        self._call(f"remove {self._show(staging)}", lambda: self._rm_quiet(self._path(staging), recursive=True))
+
+    # -- reading ------------------------------------------------------------------------
+    def list_names(self) -> list[str]:
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(self._root)
+            try:
+                entries = self.fs.ls(self._root, detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+        return self._call(f"list {self.url}", ls)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        path = self._path(relpath)
+        return self._call(f"read {self._show(relpath)}", lambda: self.fs.cat_file(path))
+
+    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
+        path = self._path(relpath)
+        view = out.cast("B")
+        for pos in range(0, len(view), _READ_CHUNK):
+            want = min(_READ_CHUNK, len(view) - pos)
+            start = offset + pos
+            try:
+                data = self._call(f"read {self._show(relpath)} at {start}",
+                                  lambda s=start, n=want: self.fs.cat_file(path, start=s, end=s + n))
+            except StorageError as e:
+                if isinstance(e, CheckpointNotFoundError) or self.size(relpath) >= start + want:
+                    raise
+                data = b""  # a range past the end is refused by some stores
+            if len(data) < want:
+                raise CorruptCheckpointError(
+                    f"{self._show(relpath)} is truncated: wanted bytes up to {offset + len(view)}, "
+                    f"file ends at {start + len(data)}", path=self._show(relpath))
+            view[pos:pos + want] = data
+
+    def size(self, relpath: str) -> int:
+        path = self._path(relpath)
+
+        def info() -> int:
+            self.fs.invalidate_cache(path)
+            entry = self.fs.info(path)
+            if entry.get("type") == "directory":
+                raise FileNotFoundError(path)
+            return int(entry["size"])
+        return self._call(f"stat {self._show(relpath)}", info)
+
+    def exists(self, relpath: str) -> bool:
+        path = self._path(relpath)
+
+        def exists() -> bool:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+        return self._call(f"check {self._show(relpath)}", exists)
+
+    # -- housekeeping -------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        prefix = self._path(name)
+        # INVARIANT: the manifest goes first, so the checkpoint stops existing at once.
+        self._call(f"delete {self._show(name)}/{MANIFEST_NAME}",
+                   lambda: self._rm_quiet(f"{prefix}/{MANIFEST_NAME}"))
+        self._call(f"delete {self._show(name)}", lambda: self._rm_quiet(prefix, recursive=True))
+
+    def cleanup_incomplete(self) -> list[str]:
+        return []  # staging is the final prefix; the ledger deletes manifest-less folders

@@ -1,0 +1,576 @@
+"""One contract every storage backend keeps, run against each of them on real storage.
+
+``BackendContract`` holds the tests; a backend joins by subclassing it and providing the
+``backend`` fixture (a fresh, writable, empty root), ``missing_root`` (a backend whose bucket
+or container does not exist, or ``None``), ``secret`` (a credential string that must never be
+printed, or ``None``) and the two fault hooks ``leave_dead_lock`` and
+``break_after_first_delete``. No client is mocked: faults are injected by real subclasses,
+real processes, or by wrapping one real call so that it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from mpckpt.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ConfigError,
+    CorruptCheckpointError,
+    LockedError,
+    MpckptError,
+    TransientStorageError,
+)
+from mpckpt.storage import open_backend
+from mpckpt.storage.base import MANIFEST_NAME, Backend
+from mpckpt.storage.local import LocalBackend
+from tests.servers import s3_options
+
+DATA = bytes(range(256)) * 40  # 10240 bytes with a position-dependent pattern
+MANIFEST = json.dumps({"files": {"shard-0.safetensors": len(DATA)}}).encode()
+
+
+def put_checkpoint(b: Backend, name: str, manifest: bytes = MANIFEST, data: bytes = DATA) -> None:
+    staging = b.stage(name)
+    view = memoryview(data)
+    b.write_file(f"{staging}/shard-0.safetensors", [view[:1000], view[1000:]])
+    b.commit(staging, name, manifest)
+
+
+class InjectedFault(Exception):
+    pass
+
+
+class BackendContract:
+    """The tests; subclasses provide the fixtures and fault hooks named in the module docstring."""
+
+    @pytest.fixture
+    def backend(self) -> Backend:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def missing_root(self) -> Backend | None:
+        return None
+
+    @pytest.fixture
+    def secret(self) -> str | None:
+        return None
+
+    def leave_dead_lock(self, backend: Backend) -> None:
+        """Leave the writer lock as a writer that died without releasing it would."""
+        raise NotImplementedError
+
+    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Make every storage deletion after the first one fail with ``InjectedFault``."""
+        raise NotImplementedError
+
+    # -- writing and committing ----------------------------------------------------------
+    def test_round_trip(self, backend: Backend) -> None:
+        assert isinstance(backend, Backend)
+        put_checkpoint(backend, "step-1")
+        assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+        assert backend.size("step-1/shard-0.safetensors") == len(DATA)
+        assert backend.list_names() == ["step-1"]
+
+    def test_parts_of_many_kinds_are_concatenated(self, backend: Backend) -> None:
+        import array
+
+        ints = array.array("i", range(100))
+        parts = [b"head", bytearray(b"-mid-"), memoryview(ints), memoryview(b"")]
+        backend.write_file("loose/file.bin", parts)
+        assert backend.read_bytes("loose/file.bin") == b"head-mid-" + ints.tobytes()
+
+    def test_write_file_overwrites_a_partial_earlier_attempt(self, backend: Backend) -> None:
+        backend.write_file("loose/file.bin", [b"x" * 5000])
+        backend.write_file("loose/file.bin", [b"short"])
+        assert backend.read_bytes("loose/file.bin") == b"short"
+
+    def test_no_manifest_is_visible_before_commit(self, backend: Backend) -> None:
+        staging = backend.stage("step-1")
+        backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
+        assert not backend.exists(f"step-1/{MANIFEST_NAME}")
+        backend.commit(staging, "step-1", MANIFEST)
+        assert backend.exists(f"step-1/{MANIFEST_NAME}")
+
+    def test_leftovers_of_a_failed_attempt_do_not_survive_a_commit(self, backend: Backend) -> None:
+        backend.write_file("step-1/junk-from-crashed-attempt", [b"junk"])
+        put_checkpoint(backend, "step-1")
+        assert not backend.exists("step-1/junk-from-crashed-attempt")
+        assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
+
+    def test_stage_refuses_a_committed_name(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        with pytest.raises(CommitConflictError, match="step-1"):
+            backend.stage("step-1")
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+
+    def test_commit_conflict_never_replaces_a_committed_manifest(self, backend: Backend) -> None:
+        first = backend.stage("step-1")
+        second = backend.stage("step-1")  # two writers racing for the same name
+        backend.write_file(f"{first}/shard-0.safetensors", [DATA])
+        backend.commit(first, "step-1", MANIFEST)
+        with pytest.raises(CommitConflictError, match="step-1"):
+            backend.commit(second, "step-1", b'{"the": "loser"}')
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+        assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
+
+    def test_the_create_only_condition_holds_inside_the_race_window(
+            self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Both writers passed every existence check; the store itself must refuse the second."""
+        first = backend.stage("step-1")
+        second = backend.stage("step-1")
+        backend.commit(first, "step-1", MANIFEST)
+        monkeypatch.setattr(backend, "exists", lambda relpath: False)
+        with pytest.raises(CommitConflictError, match="step-1"):
+            backend.commit(second, "step-1", b'{"the": "loser"}')
+        monkeypatch.undo()
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+
+    def test_abort_removes_the_attempt_but_never_a_committed_checkpoint(self, backend: Backend) -> None:
+        staging = backend.stage("step-2")
+        backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
+        backend.abort(staging)
+        assert not backend.exists(f"{staging}/shard-0.safetensors")
+        put_checkpoint(backend, "step-1")
+        backend.abort("step-1")
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+
+    def test_upload_file(self, backend: Backend, tmp_path: Any) -> None:
+        local = tmp_path / "model.ckpt"
+        local.write_bytes(DATA * 3)
+        backend.upload_file("dir-ckpt/model.ckpt", str(local))
+        assert backend.read_bytes("dir-ckpt/model.ckpt") == DATA * 3
+        with pytest.raises(CheckpointNotFoundError, match="nope"):
+            backend.upload_file("dir-ckpt/other", str(tmp_path / "nope"))
+
+    # -- reading ------------------------------------------------------------------------
+    @pytest.mark.parametrize(("offset", "length"), [(0, 10), (1000, 3000), (len(DATA) - 7, 7), (5, 0),
+                                                    (0, len(DATA))])
+    def test_read_into_ranges(self, backend: Backend, offset: int, length: int) -> None:
+        backend.write_file("f.bin", [DATA])
+        out = bytearray(length)
+        backend.read_into("f.bin", offset, memoryview(out))
+        assert bytes(out) == DATA[offset:offset + length]
+
+    @pytest.mark.parametrize(("offset", "length"), [(len(DATA) - 5, 10), (len(DATA), 1), (len(DATA) + 100, 8)])
+    def test_short_read_is_corruption(self, backend: Backend, offset: int, length: int) -> None:
+        backend.write_file("f.bin", [DATA])
+        with pytest.raises(CorruptCheckpointError, match="f.bin"):
+            backend.read_into("f.bin", offset, memoryview(bytearray(length)))
+
+    def test_missing_files(self, backend: Backend) -> None:
+        assert not backend.exists("step-9/shard-0.safetensors")
+        for call in (lambda: backend.read_bytes("step-9/x"), lambda: backend.size("step-9/x"),
+                     lambda: backend.read_into("step-9/x", 0, memoryview(bytearray(4)))):
+            with pytest.raises(CheckpointNotFoundError, match="step-9/x"):
+                call()
+
+    def test_list_names_lists_top_level_folders_only(self, backend: Backend) -> None:
+        assert backend.list_names() == []
+        put_checkpoint(backend, "step-2")
+        put_checkpoint(backend, "step-10")
+        backend.write_file("half-written/a/b/c.bin", [b"x"])
+        backend.write_file("top-level-file.bin", [b"x"])
+        assert backend.list_names() == ["half-written", "step-10", "step-2"]
+
+    # -- housekeeping -------------------------------------------------------------------
+    def test_delete(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        put_checkpoint(backend, "step-2")
+        backend.delete("step-1")
+        assert backend.list_names() == ["step-2"]
+        assert not backend.exists(f"step-1/{MANIFEST_NAME}")
+        assert not backend.exists("step-1/shard-0.safetensors")
+        backend.delete("step-1")  # idempotent
+        backend.delete("never-existed")
+
+    def test_delete_removes_the_manifest_first(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        put_checkpoint(backend, "step-1")
+        self.break_after_first_delete(backend, monkeypatch)
+        with pytest.raises(Exception) as info:
+            backend.delete("step-1")
+        assert info.errisinstance(InjectedFault) or isinstance(info.value.__cause__, InjectedFault)
+        monkeypatch.undo()
+        assert not backend.exists(f"step-1/{MANIFEST_NAME}")  # the checkpoint stopped existing at once
+        assert backend.exists("step-1/shard-0.safetensors")  # although its data was not yet deleted
+
+    def test_cleanup_incomplete_keeps_committed_checkpoints(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        backend.stage("step-2")
+        removed = backend.cleanup_incomplete()
+        assert all(isinstance(r, str) for r in removed)
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+
+    # -- the writer lock ----------------------------------------------------------------
+    def test_writer_lock_is_exclusive(self, backend: Backend) -> None:
+        lock = backend.acquire_writer_lock("writer-a")
+        try:
+            with pytest.raises(LockedError, match="writer-a"):
+                backend.acquire_writer_lock("writer-b")
+            lock.renew()
+            with pytest.raises(LockedError):
+                backend.acquire_writer_lock("writer-b")
+        finally:
+            lock.release()
+        lock.release()  # idempotent
+        backend.acquire_writer_lock("writer-b").release()
+
+    def test_a_dead_writers_lock_is_taken_over(self, backend: Backend) -> None:
+        self.leave_dead_lock(backend)
+        lock = backend.acquire_writer_lock("writer-b")
+        try:
+            with pytest.raises(LockedError, match="writer-b"):
+                backend.acquire_writer_lock("writer-c")
+        finally:
+            lock.release()
+
+    # -- inputs, configuration, credentials -----------------------------------------------
+    @pytest.mark.parametrize("relpath", ["../escape", "step-1/../../escape", "/absolute", "", ".", "a\\b"])
+    def test_paths_may_not_escape_the_root(self, backend: Backend, relpath: str) -> None:
+        for call in (lambda: backend.write_file(relpath, [b"x"]), lambda: backend.read_bytes(relpath),
+                     lambda: backend.exists(relpath), lambda: backend.delete(relpath)):
+            with pytest.raises(ConfigError):
+                call()
+
+    def test_missing_bucket_is_a_config_error_naming_the_url(self, missing_root: Backend | None) -> None:
+        if missing_root is None:
+            pytest.skip("this storage has no bucket or container that could be missing")
+        with pytest.raises(ConfigError) as info:
+            missing_root.check_writable()
+        assert missing_root.url in str(info.value)
+        assert "create" in str(info.value)
+
+    def test_spec_rebuilds_an_equivalent_backend(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        again = open_backend(backend.spec())
+        assert again.url == backend.url
+        assert again.read_bytes("step-1/shard-0.safetensors") == DATA
+
+    def test_credentials_are_never_shown(self, backend: Backend, missing_root: Backend | None,
+                                         secret: str | None) -> None:
+        if secret is None:
+            pytest.skip("this backend takes no credentials")
+        shown = [backend.url, repr(backend), repr(backend.spec()), str(backend.spec())]
+        for call in (lambda: backend.read_bytes("nope/x"), lambda: missing_root and missing_root.check_writable()):
+            try:
+                call()
+            except MpckptError as e:
+                shown.append(str(e))
+        assert all(secret not in text for text in shown)
+
+
+def test_retry_cures_a_flaky_call_with_backoff() -> None:
+    """A backend's calls go through ``_retry.retry``: transient failures are retried, then pass."""
+    from mpckpt.storage._retry import retry
+
+    failures = [TransientStorageError("503 slow down")] * 3
+    sleeps: list[float] = []
+
+    def flaky() -> str:
+        if failures:
+            raise failures.pop()
+        return "ok"
+
+    assert retry(flaky, what="write s3://b/x", sleep=sleeps.append, rng=lambda: 1.0) == "ok"
+    assert sleeps == [0.2, 0.4, 0.8]
+
+
+# -- local disk -------------------------------------------------------------------------
+
+_HOLD_FLOCK = """
+import os, sys
+from mpckpt.storage.local import LocalBackend
+LocalBackend(sys.argv[1]).acquire_writer_lock("dead-writer")
+os._exit(0)  # dies holding the lock, without release
+"""
+
+
+class TestLocal(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Any) -> Backend:
+        b = LocalBackend(str(tmp_path / "root"))
+        b.check_writable()
+        return b
+
+    @pytest.fixture
+    def missing_root(self, tmp_path: Any) -> Backend:
+        (tmp_path / "a-file").write_bytes(b"")
+        return LocalBackend(str(tmp_path / "a-file" / "root"))  # cannot be created under a file
+
+    def leave_dead_lock(self, backend: Backend) -> None:
+        subprocess.run([sys.executable, "-c", _HOLD_FLOCK, backend.url], check=True, timeout=60)
+
+    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        import mpckpt.storage.local as local
+
+        def boom(*args: Any, **kwargs: Any) -> None:
+            raise InjectedFault("rmtree")
+        monkeypatch.setattr(local.shutil, "rmtree", boom)  # the manifest's unlink comes first
+
+    def test_missing_bucket_is_a_config_error_naming_the_url(self, missing_root: Backend | None) -> None:
+        assert missing_root is not None
+        with pytest.raises(ConfigError) as info:
+            missing_root.check_writable()
+        assert missing_root.url in str(info.value)
+
+
+# -- object stores through fsspec ---------------------------------------------------------
+
+def _write_expired_lease(backend: Backend) -> None:
+    record = {"owner": "dead-writer", "token": "0" * 16, "expires_unix": time.time() - 5}
+    backend.write_file(".mpckpt.lock", [json.dumps(record).encode()])
+
+
+def _break_fsspec_rm(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_rm = backend.fs.rm
+    calls: list[Any] = []
+
+    def rm_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) > 1:
+            raise InjectedFault("rm")
+        return real_rm(*args, **kwargs)
+    monkeypatch.setattr(backend.fs, "rm", rm_once)
+
+
+class TestMemory(BackendContract):
+    @pytest.fixture
+    def backend(self) -> Any:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        b = FsspecBackend(f"memory://mpckpt-test-{uuid.uuid4().hex}")
+        b.check_writable()
+        yield b
+        b.fs.rm(b._root, recursive=True) if b.fs.exists(b._root) else None
+
+    def leave_dead_lock(self, backend: Backend) -> None:
+        _write_expired_lease(backend)
+
+    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        _break_fsspec_rm(backend, monkeypatch)
+
+    def test_lease_expiry_is_renewed(self, backend: Any) -> None:
+        lock = backend.acquire_writer_lock("writer-a")
+        first = json.loads(backend.read_bytes(".mpckpt.lock"))
+        time.sleep(0.01)
+        lock.renew()
+        second = json.loads(backend.read_bytes(".mpckpt.lock"))
+        assert second["owner"] == "writer-a" and second["expires_unix"] > first["expires_unix"] > time.time()
+        lock.release()
+        assert not backend.exists(".mpckpt.lock")
+
+    def test_transient_errors_are_retried_by_the_backend(self) -> None:
+        """A real fsspec filesystem whose first writes fail with connection resets."""
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        class FlakyMemory(MemoryFileSystem):
+            protocol = "flakymem"
+            failures = 2
+
+            def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+                if "w" in mode and FlakyMemory.failures > 0:
+                    FlakyMemory.failures -= 1
+                    raise ConnectionResetError("connection reset by peer")
+                return super()._open(path, mode, *args, **kwargs)
+
+        fsspec.register_implementation("flakymem", FlakyMemory, clobber=True)
+        b = FsspecBackend(f"flakymem://retry-{uuid.uuid4().hex}")
+        b.write_file("x.bin", [DATA])
+        assert FlakyMemory.failures == 0 and b.read_bytes("x.bin") == DATA
+        FlakyMemory.failures = 99
+        with pytest.raises(TransientStorageError, match="x.bin"):
+            FsspecBackend(b.url, {"retry_attempts": 2}).write_file("x.bin", [DATA])
+
+
+S3_SECRET = "s3cr3t-never-print-me"
+
+
+@pytest.fixture(scope="module")
+def bucket(moto_server: str) -> str:
+    """One bucket for the module; every test gets its own prefix in it."""
+    from mpckpt.storage.fsspec_backend import FsspecBackend
+
+    name = f"mpckpt-{uuid.uuid4().hex[:12]}"
+    FsspecBackend(f"s3://{name}/probe", s3_options(moto_server, create=True)).check_writable()
+    return name
+
+
+@pytest.mark.s3
+class TestS3Moto(BackendContract):
+    @pytest.fixture
+    def backend(self, moto_server: str, bucket: str) -> Backend:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        options = s3_options(moto_server, secret=S3_SECRET)
+        b = FsspecBackend(f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}", options)
+        b.check_writable()
+        return b
+
+    @pytest.fixture
+    def missing_root(self, moto_server: str) -> Backend:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        return FsspecBackend("s3://no-such-bucket-mpckpt/run", s3_options(moto_server, secret=S3_SECRET))
+
+    @pytest.fixture
+    def secret(self) -> str:
+        return S3_SECRET
+
+    def leave_dead_lock(self, backend: Backend) -> None:
+        _write_expired_lease(backend)
+
+    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        _break_fsspec_rm(backend, monkeypatch)
+
+    def test_create_option_creates_the_bucket(self, moto_server: str) -> None:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        b = FsspecBackend(f"s3://mpckpt-new-{uuid.uuid4().hex[:8]}/run", s3_options(moto_server, create=True))
+        b.check_writable()
+        put_checkpoint(b, "step-1")
+        assert b.list_names() == ["step-1"]
+
+    def test_unreachable_endpoint_is_a_config_error(self) -> None:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+        from tests.servers import free_port
+
+        dead = f"http://127.0.0.1:{free_port()}"
+        options = s3_options(dead, secret=S3_SECRET, config_kwargs={"retries": {"max_attempts": 1}})
+        b = FsspecBackend("s3://some-bucket/run", options)
+        with pytest.raises(ConfigError, match="s3://some-bucket/run") as info:
+            b.check_writable()
+        assert S3_SECRET not in str(info.value)
+
+
+# -- Azure Blob Storage (Azurite) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def container(azurite_server: str) -> str:
+    """One container for the module; every test gets its own prefix in it."""
+    from mpckpt.storage.azure import AzureBlobBackend
+
+    name = f"mpckpt-{uuid.uuid4().hex[:12]}"
+    AzureBlobBackend(f"az://{name}/probe", {"connection_string": azurite_server, "create": True}).check_writable()
+    return name
+
+
+@pytest.mark.azure
+class TestAzurite(BackendContract):
+    @pytest.fixture
+    def backend(self, azurite_server: str, container: str) -> Backend:
+        from mpckpt.storage.azure import AzureBlobBackend
+
+        # A small block size so that the block-upload path (several blocks, parts spanning blocks) is exercised.
+        b = AzureBlobBackend(f"az://{container}/run-{uuid.uuid4().hex[:8]}",
+                             {"connection_string": azurite_server, "block_size": 1024, "max_concurrency": 4})
+        b.check_writable()
+        return b
+
+    @pytest.fixture
+    def missing_root(self, azurite_server: str) -> Backend:
+        from mpckpt.storage.azure import AzureBlobBackend
+
+        return AzureBlobBackend("az://no-such-container/run", {"connection_string": azurite_server})
+
+    @pytest.fixture
+    def secret(self) -> str:
+        from tests.servers import AZURITE_KEY
+
+        return AZURITE_KEY
+
+    def leave_dead_lock(self, backend: Backend) -> None:
+        _write_expired_lease(backend)
+
+    def break_after_first_delete(self, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = backend._container.delete_blob
+        calls: list[Any] = []
+
+        def delete_once(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args)
+            if len(calls) > 1:
+                raise InjectedFault("delete_blob")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(backend._container, "delete_blob", delete_once)
+
+    def test_create_option_creates_the_container(self, azurite_server: str) -> None:
+        from mpckpt.storage.azure import AzureBlobBackend
+
+        b = AzureBlobBackend(f"az://mpckpt-new-{uuid.uuid4().hex[:8]}/run",
+                             {"connection_string": azurite_server, "create": True})
+        b.check_writable()
+        put_checkpoint(b, "step-1")
+        assert b.list_names() == ["step-1"]
+
+    def test_abfs_url_with_account_and_key_options(self, azurite_server: str, container: str) -> None:
+        from mpckpt.storage.azure import AzureBlobBackend
+        from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
+
+        endpoint = azurite_server.split("BlobEndpoint=")[1].rstrip(";")
+        b = AzureBlobBackend(f"abfs://{container}@{AZURITE_ACCOUNT}.dfs.core.windows.net/abfs-run",
+                             {"account_url": endpoint, "account_key": AZURITE_KEY})
+        b.check_writable()
+        put_checkpoint(b, "step-1")
+        assert b.read_bytes("step-1/shard-0.safetensors") == DATA
+
+    def test_credentials_from_the_environment(self, azurite_server: str, container: str) -> None:
+        from mpckpt.storage.azure import AzureBlobBackend
+
+        b = AzureBlobBackend(f"az://{container}/env-run", environ={"AZURE_STORAGE_CONNECTION_STRING": azurite_server})
+        b.check_writable()
+        assert b.list_names() == []
+
+    def test_wrong_key_is_a_config_error_naming_the_url(self, azurite_server: str, container: str) -> None:
+        import base64
+
+        from mpckpt.storage.azure import AzureBlobBackend
+        from tests.servers import AZURITE_KEY
+
+        wrong = base64.b64encode(b"not the key" * 6).decode()
+        b = AzureBlobBackend(f"az://{container}/run", {"connection_string": azurite_server.replace(AZURITE_KEY, wrong)})
+        with pytest.raises(ConfigError, match=f"az://{container}/run") as info:
+            b.check_writable()
+        assert wrong not in str(info.value) and AZURITE_KEY not in str(info.value)
+
+    def test_unreachable_account_is_a_config_error(self, azurite_server: str) -> None:
+        from mpckpt.storage.azure import AzureBlobBackend
+        from tests.servers import AZURITE_KEY, free_port
+
+        conn = azurite_server.split("BlobEndpoint=")[0] + f"BlobEndpoint=http://127.0.0.1:{free_port()}/x;"
+        b = AzureBlobBackend("az://any/run", {"connection_string": conn})
+        with pytest.raises(ConfigError, match="az://any/run") as info:
+            b.check_writable()
+        assert AZURITE_KEY not in str(info.value)
+
+    def test_large_shard_in_many_blocks_from_many_parts(self, backend: Any) -> None:
+        blob = bytes(range(251)) * 400  # 100400 bytes: ~98 blocks of 1 KiB, parts cut off-block
+        view = memoryview(blob)
+        parts = [view[:333], view[333:70_000], view[70_000:70_001], view[70_001:]]
+        backend.write_file("big/shard.bin", parts)
+        assert backend.read_bytes("big/shard.bin") == blob
+        backend.write_file("big/shard.bin", [view[:5000]])  # a retry with fewer blocks replaces it
+        assert backend.read_bytes("big/shard.bin") == blob[:5000]
+        out = bytearray(50_000)
+        backend.write_file("big/shard.bin", parts)
+        backend.read_into("big/shard.bin", 12_345, memoryview(out))
+        assert bytes(out) == blob[12_345:62_345]
+
+    def test_bad_options_are_config_errors(self, azurite_server: str) -> None:
+        from mpckpt.storage.azure import AzureBlobBackend
+
+        with pytest.raises(ConfigError, match="block_size"):
+            AzureBlobBackend("az://c/p", {"connection_string": azurite_server, "block_size": 0})
+        with pytest.raises(ConfigError, match="bogus"):
+            AzureBlobBackend("az://c/p", {"connection_string": azurite_server, "bogus": 1})
+        with pytest.raises(ConfigError, match="container"):
+            AzureBlobBackend("az:///p", {"connection_string": azurite_server})
