@@ -116,7 +116,7 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_pref
     groups: list[list[Piece]] = [[]]
     used = 0
     for piece in pieces:
-        if groups[-1] and used + piece.nbytes + SHARD_ALIGN * (workers + 1) > wave_cap:
+        if total > budget_bytes and groups[-1] and used + piece.nbytes + SHARD_ALIGN * (workers + 1) > wave_cap:
             groups.append([])
             used = 0
         groups[-1].append(piece)

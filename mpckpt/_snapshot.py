@@ -238,8 +238,10 @@ def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> li
             offset = row["byte_offset"]
             if offset % itemsize:
                 raise ValueError("misaligned view")
-            typed = base.view(dtype) if base.numel() % itemsize == 0 else base[: base.numel() - base.numel() % itemsize].view(dtype)
-            out.append(torch.as_strided(typed, row["shape"], row["stride"], offset // itemsize))
+            usable = base.numel() - base.numel() % itemsize
+            typed = base[:usable].view(dtype)
+            # as_strided takes an absolute storage offset; the base starts inside its buffer.
+            out.append(torch.as_strided(typed, row["shape"], row["stride"], typed.storage_offset() + offset // itemsize))
         except (KeyError, ValueError, RuntimeError, IndexError) as e:
             raise CorruptCheckpointError(f"tensor table row {i} describes an invalid view ({e})") from e
     return out

@@ -5,7 +5,9 @@
 * any other scheme fsspec knows (``memory://``, ``s3://``, ``gs://`` ...) -> ``FsspecBackend``.
 
 Optional backends are imported only when their scheme is used, with an install hint when
-their package is missing.
+their package is missing. ``register_backend(scheme, "module:callable")`` adds a backend of
+your own; the spec carries the import path, so uploader processes build it too, whatever
+their start method.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ from typing import Any
 from mpckpt.errors import ConfigError
 from mpckpt.storage.base import MANIFEST_NAME, Backend, BackendSpec, check_relpath
 
-__all__ = ["MANIFEST_NAME", "Backend", "BackendSpec", "check_relpath", "open_backend", "spec_for_url"]
+__all__ = ["MANIFEST_NAME", "Backend", "BackendSpec", "check_relpath", "open_backend", "register_backend",
+           "spec_for_url"]
 
 _AZURE_SCHEMES = ("az", "abfs", "abfss")
+_REGISTERED: dict[str, str] = {}
+
+
+def register_backend(scheme: str, factory: str) -> None:
+    """Serve ``scheme://`` URLs with ``factory`` ("package.module:callable", called with a spec)."""
+    if ":" not in factory:
+        raise ConfigError(f"register_backend({scheme!r}, {factory!r}): the factory must be 'module:callable'")
+    _REGISTERED[scheme.lower()] = factory
 
 
 def spec_for_url(url: str, options: dict[str, Any] | None = None) -> BackendSpec:
@@ -33,6 +44,8 @@ def spec_for_url(url: str, options: dict[str, Any] | None = None) -> BackendSpec
     if not sep:
         return BackendSpec("file", os.path.abspath(url), dict(options or {}))
     scheme = scheme.lower()
+    if scheme in _REGISTERED:
+        return BackendSpec(scheme, url, dict(options or {}), factory=_REGISTERED[scheme])
     if scheme == "file":
         return BackendSpec("file", os.path.abspath(rest), dict(options or {}))
     return BackendSpec(scheme, url, dict(options or {}))
@@ -40,6 +53,17 @@ def spec_for_url(url: str, options: dict[str, Any] | None = None) -> BackendSpec
 
 def open_backend(spec: BackendSpec) -> Backend:
     """Build the backend a spec describes (in the training process or in an uploader)."""
+    if spec.factory is not None:
+        import importlib
+
+        module, _, attr = spec.factory.partition(":")
+        try:
+            factory: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                factory = getattr(factory, part)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{spec.scheme}:// backend {spec.factory!r} cannot be imported: {e}") from e
+        return factory(spec)  # type: ignore[no-any-return]
     if spec.scheme == "file":
         from mpckpt.storage.local import LocalBackend
 

@@ -41,6 +41,7 @@ class BackendSpec:
     scheme: str
     root: str
     options: dict[str, Any] = field(default_factory=dict)
+    factory: str | None = None  # "module:callable" of a registered backend (see register_backend)
 
     def __repr__(self) -> str:  # options may hold credentials: never print them
         return f"BackendSpec(scheme={self.scheme!r}, root={self.root!r}, options=<{len(self.options)} hidden>)"

@@ -11,6 +11,7 @@ real processes, or by wrapping one real call so that it fails.
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -194,6 +195,7 @@ class BackendContract:
 
     def test_delete_removes_the_manifest_first(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
         put_checkpoint(backend, "step-1")
+        backend.write_file("step-1/aaa-sorts-before-the-manifest.bin", [b"x"])
         self.break_after_first_delete(backend, monkeypatch)
         with pytest.raises(Exception) as info:
             backend.delete("step-1")
@@ -250,7 +252,7 @@ class BackendContract:
 
     def test_spec_rebuilds_an_equivalent_backend(self, backend: Backend) -> None:
         put_checkpoint(backend, "step-1")
-        again = open_backend(backend.spec())
+        again = open_backend(pickle.loads(pickle.dumps(backend.spec())))
         assert again.url == backend.url
         assert again.read_bytes("step-1/shard-0.safetensors") == DATA
 
@@ -341,21 +343,11 @@ def _break_fsspec_rm(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backend.fs, "rm", rm_once)
 
 
-class TestMemory(BackendContract):
-    @pytest.fixture
-    def backend(self) -> Any:
-        from mpckpt.storage.fsspec_backend import FsspecBackend
-
-        b = FsspecBackend(f"memory://mpckpt-test-{uuid.uuid4().hex}")
-        b.check_writable()
-        yield b
-        b.fs.rm(b._root, recursive=True) if b.fs.exists(b._root) else None
+class ObjectStoreContract(BackendContract):
+    """What object stores add: the writer lock is a lease object that expires unless renewed."""
 
     def leave_dead_lock(self, backend: Backend) -> None:
         _write_expired_lease(backend)
-
-    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-        _break_fsspec_rm(backend, monkeypatch)
 
     def test_lease_expiry_is_renewed(self, backend: Any) -> None:
         lock = backend.acquire_writer_lock("writer-a")
@@ -366,6 +358,50 @@ class TestMemory(BackendContract):
         assert second["owner"] == "writer-a" and second["expires_unix"] > first["expires_unix"] > time.time()
         lock.release()
         assert not backend.exists(".mpckpt.lock")
+
+    def test_a_takeover_after_expiry_is_noticed_at_renew(self, backend: Any) -> None:
+        lock = backend.acquire_writer_lock("writer-a")
+        _write_expired_lease(backend)  # writer-a's lease ran out and someone else took it over
+        with pytest.raises(LockedError, match="taken over"):
+            lock.renew()
+        assert json.loads(backend.read_bytes(".mpckpt.lock"))["owner"] == "dead-writer"  # not clobbered
+        lock.release()  # no longer ours: must not delete it
+        assert backend.exists(".mpckpt.lock")
+
+
+class TestMemory(ObjectStoreContract):
+    @pytest.fixture
+    def backend(self) -> Any:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        b = FsspecBackend(f"memory://mpckpt-test-{uuid.uuid4().hex}")
+        b.check_writable()
+        yield b
+        b.fs.rm(b._root, recursive=True) if b.fs.exists(b._root) else None
+
+    def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        _break_fsspec_rm(backend, monkeypatch)
+
+    def test_a_held_lease_renews_itself_and_a_silent_one_expires(self, backend: Any) -> None:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        short = FsspecBackend(backend.url, {"lease_s": 0.6})
+        lock = short.acquire_writer_lock("writer-a")
+        time.sleep(1.5)  # more than twice the lease: only the keep-alive thread can have kept it
+        with pytest.raises(LockedError, match="writer-a"):
+            short.acquire_writer_lock("writer-b")
+        lock._stop.set()  # the holder goes silent, as if its process had died
+        lock._keepalive.join()
+        time.sleep(0.8)
+        short.acquire_writer_lock("writer-b").release()
+        with pytest.raises(LockedError, match="taken over"):
+            lock.renew()
+
+    def test_an_unknown_scheme_is_a_config_error(self) -> None:
+        from mpckpt.storage.fsspec_backend import FsspecBackend
+
+        with pytest.raises(ConfigError, match="nosuchscheme://x"):
+            FsspecBackend("nosuchscheme://x")
 
     def test_transient_errors_are_retried_by_the_backend(self) -> None:
         """A real fsspec filesystem whose first writes fail with connection resets."""
@@ -407,7 +443,7 @@ def bucket(moto_server: str) -> str:
 
 
 @pytest.mark.s3
-class TestS3Moto(BackendContract):
+class TestS3Moto(ObjectStoreContract):
     @pytest.fixture
     def backend(self, moto_server: str, bucket: str) -> Backend:
         from mpckpt.storage.fsspec_backend import FsspecBackend
@@ -426,9 +462,6 @@ class TestS3Moto(BackendContract):
     @pytest.fixture
     def secret(self) -> str:
         return S3_SECRET
-
-    def leave_dead_lock(self, backend: Backend) -> None:
-        _write_expired_lease(backend)
 
     def break_after_first_delete(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
         _break_fsspec_rm(backend, monkeypatch)
@@ -466,7 +499,7 @@ def container(azurite_server: str) -> str:
 
 
 @pytest.mark.azure
-class TestAzurite(BackendContract):
+class TestAzurite(ObjectStoreContract):
     @pytest.fixture
     def backend(self, azurite_server: str, container: str) -> Backend:
         from mpckpt.storage.azure import AzureBlobBackend
@@ -488,9 +521,6 @@ class TestAzurite(BackendContract):
         from tests.servers import AZURITE_KEY
 
         return AZURITE_KEY
-
-    def leave_dead_lock(self, backend: Backend) -> None:
-        _write_expired_lease(backend)
 
     def break_after_first_delete(self, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         real = backend._container.delete_blob

@@ -1,0 +1,77 @@
+"""Shared fixtures: a clean MPCKPT_* environment for every test, small models, the servers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mpckpt import _shm
+from tests.servers import azurite_server, moto_server  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("MPCKPT_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MPCKPT_PROGRESS", "0")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments() -> object:
+    """Every test must leave no shared-memory segment of this process behind."""
+    mine = f"{_shm.PREFIX}{os.getpid()}-"
+    before = {n for n in _shm.list_segments() if n.startswith(mine)}
+    yield
+    leaked = {n for n in _shm.list_segments() if n.startswith(mine)} - before
+    for name in leaked:  # clean up so one leak does not cascade into other tests
+        try:
+            os.unlink(os.path.join(_shm.SHM_DIR, name))
+        except OSError:
+            pass
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
+def make_model(width: int = 64, depth: int = 3, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    width = next(model.parameters()).shape[1]
+    x = torch.randn(16, width, generator=g)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def assert_same(a: object, b: object, path: str = "") -> None:
+    """Bit-identical comparison of nested states (tensors by bytes, dtype and shape)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, (path, a.dtype, b.dtype, a.shape, b.shape)
+        if a.numel():
+            ua = a.detach().contiguous().view(-1).view(torch.uint8) if a.element_size() and a.dtype != torch.bool else a.contiguous().view(-1)
+            ub = b.detach().contiguous().view(-1).view(torch.uint8) if b.element_size() and b.dtype != torch.bool else b.contiguous().view(-1)
+            assert torch.equal(ua, ub), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b) if isinstance(b, dict) else b)
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, path
+    else:
+        assert a == b and type(a) is type(b), (path, a, b)
