@@ -66,8 +66,11 @@ class Pending:
         return self.outcome == "dropped" or (self.submitted_all and self.jobs_left == 0)
 
 
-def scan(backend: Backend, *, clean: bool) -> dict[int, Manifest]:
-    """Committed checkpoints by step; with ``clean``, delete manifest-less checkpoint folders."""
+def scan(backend: Backend, *, clean: bool, problems: dict[int, Exception] | None = None) -> dict[int, Manifest]:
+    """Committed checkpoints by step; with ``clean``, delete manifest-less checkpoint folders.
+
+    Folders whose manifest does not verify are left alone and reported in ``problems``.
+    """
     found: dict[int, Manifest] = {}
     for name in backend.list_names():
         step = step_of(name)
@@ -82,6 +85,8 @@ def scan(backend: Backend, *, clean: bool) -> dict[int, Manifest]:
             continue
         except CorruptCheckpointError as e:
             log.warning("mpckpt: ignoring %s: %s", name, e)
+            if problems is not None:
+                problems[step] = e
             continue
         if manifest.step != step:
             log.warning("mpckpt: ignoring %s: its manifest says step %d", name, manifest.step)

@@ -541,10 +541,13 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
     Needs no model or optimizer objects and never writes. Every file is verified.
     """
     backend = open_backend(spec_for_url(root, dict(storage_options or {})))
-    committed = scan(backend, clean=False)
-    if not committed:
+    problems: dict[int, Exception] = {}
+    committed = scan(backend, clean=False, problems=problems)
+    chosen = max([*committed, *problems], default=None) if step is None else step
+    if chosen in problems:  # say why the newest (or requested) one cannot be read
+        raise problems[chosen]
+    if chosen is None:
         raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
-    chosen = max(committed) if step is None else step
     if chosen not in committed:
         raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "
                                       f"committed steps: {sorted(committed)[-10:]}")
