@@ -3,7 +3,11 @@
 Object stores have no ``flock``, so the lock is a small JSON object
 ``{"owner", "token", "expires_unix"}`` that its holder rewrites (``renew``) before it expires.
 A holder that dies stops renewing, and once ``expires_unix`` has passed the next writer takes
-the lease over; until then ``acquire`` raises ``LockedError`` naming the holder.
+the lease over; until then ``acquire`` raises ``LockedError`` naming the holder. A held lease
+renews itself from a daemon thread every ``lease_s / 3`` seconds, so a live holder keeps it
+whatever its main thread is doing, and a dead one (thread and all) loses it; a takeover the
+thread notices is logged and raised by the next ``renew()``. Expiry times are wall-clock
+seconds: hosts sharing a root need clocks in sync to well within ``lease_s``.
 
 Writes are compare-and-swap where the store can do it: create-only when no lease exists, and
 "replace only if unchanged since I read it" (an ETag condition) when taking over or renewing.
@@ -15,12 +19,17 @@ The clock is a parameter so tests never wait for a real expiry.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from mpckpt.errors import ConfigError, LockedError
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".mpckpt.lock"
 DEFAULT_LEASE_S = 60.0
@@ -89,6 +98,10 @@ class LeaseLock:
         self._tag: str | None = None
         self._held = False
         self.expires_unix = 0.0
+        self._mutex = threading.Lock()  # the keep-alive thread and callers renew one at a time
+        self._stop = threading.Event()
+        self._keepalive: threading.Thread | None = None
+        self.lost: LockedError | None = None  # set when a renewal found the lease taken over
 
     def _record(self) -> bytes:
         self.expires_unix = self._clock() + self.lease_s
@@ -126,12 +139,38 @@ class LeaseLock:
             latest = self._store.load()
             raise self._locked(_decode(latest) if latest else {}) from e
         self._held = True
+        self._keepalive = threading.Thread(target=self._keep_alive, name=f"mpckpt-lease {self.where}", daemon=True)
+        self._keepalive.start()
         return self
 
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self.renew()
+            except LockedError as e:
+                log.error("%s", e)
+                return
+            except Exception as e:  # noqa: BLE001 - a failed renewal is retried at the next tick
+                log.warning("renewing the writer lease on %s failed (%s); retrying in %.0f s",
+                            self.where, e, self.lease_s / 3)
+
     def renew(self) -> None:
-        if not self._held:
-            raise LockedError(f"the writer lease on {self.where} was released; open the checkpointer again")
+        """Push the expiry ``lease_s`` ahead; ``LockedError`` if the lease is no longer ours."""
+        with self._mutex:
+            if self.lost is not None:
+                raise self.lost
+            if not self._held:
+                raise LockedError(f"the writer lease on {self.where} was released; open the checkpointer again")
+            try:
+                self._renew_now()
+            except LockedError as e:
+                self.lost = e
+                raise
+
+    def _renew_now(self) -> None:
         try:
+            if not self._store.compare_and_swap:
+                self._confirm()  # never overwrite a lease someone took over after ours expired
             self._store.replace(self._record(), self._tag)
             self._confirm()
         except LeaseLost as e:
@@ -139,14 +178,19 @@ class LeaseLock:
             latest = self._store.load()
             raise LockedError(
                 f"the writer lease on {self.where} was taken over by "
-                f"{_decode(latest).get('owner', 'unknown') if latest else 'nobody'} after it expired; "
-                "renew it more often than every lease_s seconds"
+                f"{_decode(latest).get('owner', 'unknown') if latest else 'nobody'} after it expired "
+                "(it could not be renewed for lease_s seconds: storage unreachable, or the process stalled); "
+                "stop writing here and open the checkpointer again"
             ) from e
 
     def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
+        self._stop.set()
+        if self._keepalive is not None and self._keepalive is not threading.current_thread():
+            self._keepalive.join()
+        with self._mutex:
+            if not self._held:
+                return
+            self._held = False
         current = self._store.load()
         if current is not None and _decode(current).get("token") == self._token:
             self._store.remove(current.tag)

@@ -8,7 +8,7 @@ a client's error goes through ``scrub`` first; every printable URL through ``red
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 _SECRET_PATTERNS = (  # (pattern, replacement)
     (re.compile(r"(?i)\b(AccountKey|SharedAccessSignature|sig|secret|password|token)=[^;&\s'\"]+"), r"\1=***"),

@@ -25,8 +25,9 @@ import io
 import math
 import os
 import secrets
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from azure.core import MatchConditions
 from azure.core.exceptions import (
@@ -170,7 +171,7 @@ class _ViewStream(io.RawIOBase):
 def _block_body(views: Sequence[memoryview], starts: Sequence[int], start: int, end: int) -> memoryview | bytes:
     """Bytes ``[start, end)`` of the concatenated views: a slice, or one block-sized join."""
     pieces = []
-    for view, base in zip(views, starts):
+    for view, base in zip(views, starts, strict=True):
         lo, hi = max(start, base), min(end, base + len(view))
         if lo < hi:
             pieces.append(view[lo - base:hi - base])
@@ -316,19 +317,7 @@ class AzureBlobBackend:
     # -- set-up --------------------------------------------------------------------------
     def check_writable(self) -> None:
         try:
-            if not self._container.exists():
-                if not self._create:
-                    raise ConfigError(
-                        f"{self.url}: the container {self._container_name!r} does not exist; create it "
-                        f"(`az storage container create --name {self._container_name}`) "
-                        "or pass the storage option create=True")
-                try:
-                    self._container.create_container()
-                except ResourceExistsError:
-                    pass
-            probe = self._blob(f".mpckpt.probe.{secrets.token_hex(4)}")
-            probe.upload_blob(b"mpckpt write probe", overwrite=True)
-            probe.delete_blob()
+            self._probe_or_create()
         except ConfigError:
             raise
         except (ClientAuthenticationError, HttpResponseError) as e:
@@ -339,6 +328,28 @@ class AzureBlobBackend:
         except (AzureError, OSError) as e:
             raise ConfigError(f"{self.url}: cannot reach the storage account ({self._translate(e, 'connect')}); "
                               "check the account URL and the network") from e
+
+    def _probe_or_create(self) -> None:
+        """Write and delete a probe blob; create the container first if asked to and missing.
+
+        Probing by a write (not by reading container properties) also works with a SAS token
+        that may only write blobs.
+        """
+        probe = self._blob(f".mpckpt.probe.{secrets.token_hex(4)}")
+        try:
+            probe.upload_blob(b"mpckpt write probe", overwrite=True)
+        except ResourceNotFoundError as e:
+            if not self._create:
+                raise ConfigError(
+                    f"{self.url}: the container {self._container_name!r} does not exist; create it "
+                    f"(`az storage container create --name {self._container_name}`) "
+                    "or pass the storage option create=True") from e
+            try:
+                self._container.create_container()
+            except ResourceExistsError:
+                pass
+            probe.upload_blob(b"mpckpt write probe", overwrite=True)
+        probe.delete_blob()
 
     def acquire_writer_lock(self, owner: str) -> _lease.LeaseLock:
         lock = _lease.LeaseLock(_AzureLeaseStore(self), owner=owner, where=self.url, lease_s=self._lease_s)

@@ -19,9 +19,11 @@ Every client call goes through ``_retry.retry``: throttling, 5xx and connection 
 from __future__ import annotations
 
 import errno
+import inspect
 import posixpath
 import secrets
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
@@ -128,10 +130,10 @@ class _FsspecLeaseStore:
                 return None
         return self._b._call(f"read the writer lease {self._b._show(_lease.LOCK_NAME)}", get)
 
-    def _put(self, data: bytes, **conditions: Any) -> None:
+    def _put(self, write: Callable[[], None]) -> None:
         def put() -> None:
             try:
-                self._b.fs.pipe_file(self._path, data, **conditions)
+                write()
             except FileExistsError as e:
                 raise _lease.LeaseLost from e
             except OSError as e:
@@ -141,10 +143,11 @@ class _FsspecLeaseStore:
         self._b._call(f"write the writer lease {self._b._show(_lease.LOCK_NAME)}", put)
 
     def create(self, data: bytes) -> None:
-        self._put(data, mode="create")
+        self._put(lambda: self._b.create_only(self._path, data))
 
     def replace(self, data: bytes, tag: str | None) -> None:
-        self._put(data, **({"IfMatch": tag} if self.compare_and_swap and tag else {}))
+        condition = {"IfMatch": tag} if self.compare_and_swap and tag else {}
+        self._put(lambda: self._b.fs.pipe_file(self._path, data, **condition))
 
     def remove(self, tag: str | None) -> None:
         self._b._call(f"delete the writer lease {self._b._show(_lease.LOCK_NAME)}",
@@ -159,7 +162,9 @@ class FsspecBackend:
         fs_options = {k: v for k, v in self._options.items() if k not in MPCKPT_OPTIONS}
         self._create = bool(self._options.get("create", False))
         self._lease_s = _lease.parse_lease_s(self._options.get("lease_s", _lease.DEFAULT_LEASE_S))
-        self._attempts = int(self._options.get("retry_attempts", DEFAULT_ATTEMPTS))
+        self._attempts = self._options.get("retry_attempts", DEFAULT_ATTEMPTS)
+        if isinstance(self._attempts, bool) or not isinstance(self._attempts, int) or self._attempts < 1:
+            raise ConfigError(f"storage option retry_attempts={self._attempts!r} must be a positive integer")
         self._secrets = _secret_values(self._options)
         self._spec_root = url
         self._scheme = url.partition("://")[0].lower()
@@ -171,6 +176,10 @@ class FsspecBackend:
                               "check the URL scheme, install its fsspec package, and check the storage options") from e
         self._root = root.rstrip("/")
         self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        try:
+            self._native_create = "mode" in inspect.signature(self.fs.pipe_file).parameters
+        except (TypeError, ValueError):
+            self._native_create = False
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> FsspecBackend:
@@ -210,6 +219,21 @@ class FsspecBackend:
             except Exception as e:
                 raise self._translate(e, what) from e
         return retry(attempt, what=what, attempts=self._attempts)
+
+    def create_only(self, path: str, data: bytes) -> None:
+        """Write ``data`` at ``path`` unless something is there (``FileExistsError`` then).
+
+        Uses the filesystem's own ``pipe_file(mode="create")`` where it has one (s3fs sends
+        If-None-Match, which the store evaluates atomically); elsewhere check-then-write, which a
+        writer racing within one round trip could pass.
+        """
+        if self._native_create:
+            self.fs.pipe_file(path, data, mode="create")
+            return
+        self.fs.invalidate_cache(path)
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
 
     def _rm_quiet(self, path: str, recursive: bool = False) -> None:
         try:
@@ -292,7 +316,7 @@ class FsspecBackend:
             nonlocal retried
             try:
                 # INVARIANT: the manifest is written last, create-only.
-                self.fs.pipe_file(path, bytes(manifest), mode="create")
+                self.create_only(path, bytes(manifest))
             except FileExistsError as e:
                 if retried and self._read_quiet(path) == bytes(manifest):
                     return  # our own earlier attempt landed before its reply was lost
@@ -329,19 +353,23 @@ class FsspecBackend:
         path = self._path(relpath)
         return self._call(f"read {self._show(relpath)}", lambda: self.fs.cat_file(path))
 
-    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
+    def _read_range(self, relpath: str, start: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``start``; fewer (maybe none) where the file ends first."""
         path = self._path(relpath)
+        try:
+            return self._call(f"read {self._show(relpath)} at {start}",
+                              lambda: self.fs.cat_file(path, start=start, end=start + length))
+        except StorageError as e:
+            if isinstance(e, CheckpointNotFoundError) or self.size(relpath) >= start + length:
+                raise
+            return b""  # a range starting past the end is refused by some stores (HTTP 416)
+
+    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
         for pos in range(0, len(view), _READ_CHUNK):
             want = min(_READ_CHUNK, len(view) - pos)
             start = offset + pos
-            try:
-                data = self._call(f"read {self._show(relpath)} at {start}",
-                                  lambda s=start, n=want: self.fs.cat_file(path, start=s, end=s + n))
-            except StorageError as e:
-                if isinstance(e, CheckpointNotFoundError) or self.size(relpath) >= start + want:
-                    raise
-                data = b""  # a range past the end is refused by some stores
+            data = self._read_range(relpath, start, want)
             if len(data) < want:
                 raise CorruptCheckpointError(
                     f"{self._show(relpath)} is truncated: wanted bytes up to {offset + len(view)}, "
