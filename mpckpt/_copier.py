@@ -11,7 +11,7 @@ state, so the slab can be created and touched at open instead of inside the firs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,8 +34,9 @@ def _views(slab: Slab, layout: Layout, wave_index: int, wave: WavePlan) -> list[
     return views
 
 
-def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab) -> None:
-    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab``."""
+def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
+              only: Callable[[int], bool] | None = None) -> None:
+    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts)."""
     wave = layout.waves[wave_index]
     views = _views(slab, layout, wave_index, wave)
     leaves = flat.leaves
@@ -43,6 +44,9 @@ def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab) -> N
     i = 0
     for shard in wave.shards:
         for p in shard.pieces:
+            if only is not None and not only(p.leaf):
+                i += 1
+                continue
             src = leaves[p.leaf].source
             if p.chunk is not None:
                 src = src.reshape(-1)[p.chunk[0]:p.chunk[1]]

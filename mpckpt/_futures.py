@@ -28,6 +28,7 @@ class SaveStats:
     blocked_ms: float = 0.0
     snapshot_ms: float = 0.0
     persist_ms: float = 0.0
+    barrier_ms: float = 0.0  # overlapped saves: time optimizer.step() waited for the copy
     written_bytes: int = 0   # bytes actually sent to storage (referenced files excluded)
 
     @property
@@ -38,7 +39,7 @@ class SaveStats:
         return {
             "step": self.step, "status": self.status, "bytes": self.bytes, "written_bytes": self.written_bytes,
             "blocked_ms": round(self.blocked_ms, 3), "snapshot_ms": round(self.snapshot_ms, 3),
-            "persist_ms": round(self.persist_ms, 3), "mb_per_s": round(self.mb_per_s, 1),
+            "persist_ms": round(self.persist_ms, 3), "barrier_ms": round(self.barrier_ms, 3), "mb_per_s": round(self.mb_per_s, 1),
         }
 
 

@@ -30,6 +30,7 @@ from mpckpt._copier import copy_wave, estimate_state_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._layout import Layout, plan_layout
 from mpckpt._ledger import Ledger, Pending, scan
+from mpckpt._overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._pool import Job, UploaderPool
 from mpckpt._snapshot import FlatState, flatten
 from mpckpt._worker import UploadJob, WriteJob
@@ -75,6 +76,7 @@ class Checkpointer:
             start_method=start_method, environ=environ,
         )
         self._closed = True
+        self._copier: BackgroundCopier | None = None
         self._spec = spec_for_url(root, dict(storage_options or {}))
         self.backend = open_backend(self._spec)
         self.backend.check_writable()
@@ -137,9 +139,12 @@ class Checkpointer:
         if self._closed:
             return
         try:
+            self.snapshot_barrier()
             self.wait()
         finally:
             self._closed = True
+            if self._copier is not None:
+                self._copier.close()
             self.ledger.close(timeout_s=self.config.timeout_s)
             if self.pool is not None:
                 self.pool.close()
@@ -162,10 +167,16 @@ class Checkpointer:
         *,
         metrics: Mapping[str, Any] | None = None,
         mode: UploadMode | str = UploadMode.ASYNC,
+        overlap: bool | None = None,
     ) -> SaveFuture:
-        """Snapshot ``state`` for ``step``; return once copied (ASYNC) or committed (SYNC)."""
+        """Snapshot ``state`` for ``step``; return once copied (ASYNC) or committed (SYNC).
+
+        With ``overlap`` (default: the checkpointer's setting) the copy of parameters and
+        optimizer state runs in the background until the next ``optimizer.step()``.
+        """
         started = time.perf_counter()
         self._check_usable()
+        self.snapshot_barrier()
         mode = _mode(mode)
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
@@ -195,6 +206,23 @@ class Checkpointer:
             self.ledger.resolve(record, "failed", e)
             raise
         record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
+        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards)
+        overlap = self.config.overlap if overlap is None else bool(overlap)
+        if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
+            try:
+                self._snapshot_overlapped(record, state, flat, layout, first)
+            except BaseException as e:
+                self.ledger.resolve(record, "failed", e)
+                self.ledger.all_submitted(record)
+                raise
+        else:
+            self._snapshot_eager(record, flat, layout, first)
+        if mode is UploadMode.SYNC:
+            future.result(self.config.timeout_s)
+        stats.blocked_ms = (time.perf_counter() - started) * 1e3
+        return future
+
+    def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None) -> None:
         snap_start = time.perf_counter()
         try:
             for index in range(len(layout.waves)):
@@ -209,12 +237,42 @@ class Checkpointer:
             raise
         self.ledger.all_submitted(record)
         record.snapshot_done_at = time.perf_counter()
-        stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
-        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards)
-        if mode is UploadMode.SYNC:
-            future.result(self.config.timeout_s)
-        stats.blocked_ms = (time.perf_counter() - started) * 1e3
-        return future
+        record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
+
+    def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout, slab: Slab | None) -> None:
+        assert slab is not None
+        snap_start = time.perf_counter()
+        guarded = step_guarded_leaves(state, flat)
+        copy_wave(flat, layout, 0, slab, only=lambda leaf: leaf not in guarded)  # may change in forward
+
+        def rest() -> None:
+            submitted = False
+            try:
+                copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                self._submit_wave(record, layout, 0, slab)
+                submitted = True
+            except BaseException as e:  # surfaces through the save's future, not lost
+                if not submitted and slab not in record.slabs:
+                    self.arena.release(slab)
+                self.ledger.resolve(record, "failed", e)
+                raise
+            finally:
+                record.snapshot_done_at = time.perf_counter()
+                record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
+                self.ledger.all_submitted(record)
+
+        if self._copier is None:
+            self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
+        self._copier.run(record.future.stats, rest)
+
+    def snapshot_barrier(self) -> None:
+        """Wait until an overlapped snapshot has finished copying.
+
+        ``optimizer.step()`` calls this for you; call it before any other in-place change of
+        parameters or optimizer state (an EMA update, a manual weight edit).
+        """
+        if self._copier is not None:
+            self._copier.barrier()
 
     def _first_slab(self, layout: Layout, step: int) -> Slab | None:
         need = layout.waves[0].nbytes
@@ -376,6 +434,7 @@ class Checkpointer:
         """Block until every pending checkpoint is committed or failed; raise unseen failures."""
         if self._closed:
             return
+        self.snapshot_barrier()
         self.ledger.wait(timeout_s=self.config.timeout_s if timeout_s is None else timeout_s)
         self._raise_unseen()
 

@@ -1,0 +1,97 @@
+"""Overlapped snapshots: the copy runs in a background thread while training goes on.
+
+``save(..., overlap=True)`` copies right away only what the next forward/backward may change
+in place (buffers such as batch-norm statistics, loose tensors, plain values) and hands the
+copy of parameters and optimizer state to a background thread; tensor copies release the
+GIL, so the next forward/backward runs meanwhile. Parameters and optimizer state change only
+inside ``optimizer.step()``, so a global optimizer step pre-hook waits for the copy first
+(``barrier``). Any other in-place update (an EMA, a manual weight edit) must call
+``Checkpointer.snapshot_barrier()`` first. The time the hook waits is added to that save's
+``barrier_ms``: the training loop did wait for it.
+
+INVARIANT: at most one background copy is in flight; a new save waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from mpckpt._futures import SaveStats
+from mpckpt._snapshot import FlatState
+from mpckpt.errors import WaitTimeoutError
+
+
+def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
+    """Leaves that only ``optimizer.step()`` modifies: module parameters and optimizer state."""
+    ptrs: set[int] = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.nn.Module):
+            ptrs.update(p.data_ptr() for p in value.parameters())
+        elif isinstance(value, torch.optim.Optimizer):
+            for per_param in value.state.values():
+                ptrs.update(t.data_ptr() for t in per_param.values() if isinstance(t, torch.Tensor) and t.numel())
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    visit(state)
+    return {i for i, leaf in enumerate(flat.leaves)
+            if not leaf.raw and leaf.source.numel() and leaf.source.data_ptr() in ptrs}
+
+
+class BackgroundCopier:
+    """One background copy at a time, and the barrier that waits for it."""
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpckpt-copy")
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stats: SaveStats | None = None
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        self.barrier()
+
+    def barrier(self) -> float:
+        """Wait for the copy in flight (if any); return the milliseconds waited."""
+        if self._idle.is_set():
+            return 0.0
+        started = time.perf_counter()
+        if not self._idle.wait(self.timeout_s):
+            raise WaitTimeoutError(f"the background snapshot copy did not finish within {self.timeout_s:.0f}s")
+        waited = (time.perf_counter() - started) * 1e3
+        if self._stats is not None:
+            self._stats.barrier_ms += waited
+        return waited
+
+    def run(self, stats: SaveStats, copy: Callable[[], None]) -> None:
+        """Start ``copy`` in the background (after any earlier copy has finished)."""
+        self.barrier()
+        self._idle.clear()
+        self._stats = stats
+
+        def wrapped() -> None:
+            try:
+                copy()
+            finally:
+                self._idle.set()
+
+        self._executor.submit(wrapped)
+
+    def close(self) -> None:
+        try:
+            self.barrier()
+        finally:
+            self._hook.remove()
+            self._executor.shutdown(wait=True)
