@@ -1,5 +1,8 @@
 """The uploader pool: persistent worker processes, jobs in, results and exceptions out.
 
+For storage that exists only inside this process (fsspec ``memory://``) the workers are
+threads speaking the same protocol; everything else is the same.
+
 One dispatcher thread owns every pipe: it hands one job at a time to each idle worker and
 waits on all pipes *and* all process sentinels at once, so a worker that dies (killed, out
 of memory, segfault) is noticed the moment it happens, not after a timeout. The dead worker
@@ -44,6 +47,46 @@ class Job:
     id: int = field(default=0)
 
 
+class _ThreadWorker:
+    """A worker thread standing in for a process, for storage that lives in this process.
+
+    It speaks the same pipe protocol and offers what the dispatcher uses of a process: a
+    sentinel (a pipe that becomes readable when the thread ends), ``exitcode``, ``join``.
+    """
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.sentinel, self._done_w = os.pipe()
+        self.pid = os.getpid()
+        self.exitcode: int | None = None
+        self._thread = threading.Thread(target=self._main, args=(target, args), name="mpckpt-uploader", daemon=True)
+
+    def _main(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+        try:
+            target(*args)
+            self.exitcode = 0
+        except BaseException:
+            self.exitcode = 1
+        finally:
+            os.close(self._done_w)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            try:
+                os.close(self.sentinel)
+            except OSError:
+                pass
+
+    def kill(self) -> None:
+        """Threads cannot be killed; closing the pipe (done by the pool) ends the loop."""
+
+
 class _Slot:
     def __init__(self, process: Any, conn: Any) -> None:
         self.process = process
@@ -53,9 +96,11 @@ class _Slot:
 
 class UploaderPool:
     def __init__(
-        self, spec: BackendSpec, *, workers: int, start_method: str = "fork", nice: int = 10, max_attempts: int = 3
+        self, spec: BackendSpec, *, workers: int, start_method: str = "fork", nice: int = 10, max_attempts: int = 3,
+        in_process: bool = False,
     ) -> None:
         self.spec = spec
+        self.in_process = in_process
         self.n_workers = workers
         self.nice = nice
         self.max_attempts = max_attempts
@@ -75,10 +120,15 @@ class UploaderPool:
     # -- life cycle -----------------------------------------------------------------------
     def _spawn(self) -> _Slot:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice), daemon=True,
-                                 name="mpckpt-uploader")
-        proc.start()
-        child.close()
+        proc: Any
+        if self.in_process:
+            proc = _ThreadWorker(worker_main, (child, self.spec, self.nice, True))
+            proc.start()
+        else:
+            proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice), daemon=True,
+                                     name="mpckpt-uploader")
+            proc.start()
+            child.close()
         return _Slot(proc, parent)
 
     def start(self, *, timeout_s: float = 120.0) -> None:

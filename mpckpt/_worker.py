@@ -130,14 +130,15 @@ class _Worker:
         return {"size": size, "checksum": digest.hexdigest(), "seconds": time.perf_counter() - started}
 
 
-def worker_main(conn: Any, spec: BackendSpec, nice: int) -> None:
-    """Entry point of an uploader process."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    try:
-        os.nice(nice)
-    except OSError:
-        pass
+def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False) -> None:
+    """Entry point of an uploader process (or thread, for storage that lives in this process)."""
+    if not in_thread:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
     try:
         worker: _Worker | None = _Worker(spec)
         startup_error = None

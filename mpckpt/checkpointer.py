@@ -89,7 +89,8 @@ class Checkpointer:
             self.ledger = Ledger(self.backend, scan(self.backend, clean=True), on_committed=self._after_commit)
             self.arena = Arena(self.config.memory_budget_bytes, pin=_cuda_available())
             self.pool = UploaderPool(self._spec, workers=self.config.workers, start_method=self.config.start_method,
-                                     nice=self.config.nice, max_attempts=self.config.max_job_attempts)
+                                     nice=self.config.nice, max_attempts=self.config.max_job_attempts,
+                                     in_process=bool(getattr(self.backend, "process_local", False)))
             self.pool.start()
         except BaseException:
             if self.pool is not None:

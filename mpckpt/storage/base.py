@@ -53,6 +53,9 @@ class Backend(Protocol):
 
     #: A printable location (never contains credentials).
     url: str
+    #: Optional (read with ``getattr(backend, "process_local", False)``): True when the
+    #: storage exists only inside this process (fsspec ``memory://``), so uploaders must be
+    #: threads of this process rather than separate processes.
 
     def spec(self) -> BackendSpec:
         """The recipe that rebuilds this backend in another process."""

@@ -175,7 +175,10 @@ class FsspecBackend:
             raise ConfigError(f"{self.url}: cannot open this filesystem ({scrub(str(e), self._secrets)}); "
                               "check the URL scheme, install its fsspec package, and check the storage options") from e
         self._root = root.rstrip("/")
-        self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._is_s3 = "s3" in protocols
+        # memory:// lives inside this process: uploaders must be threads to see the same files
+        self.process_local = "memory" in protocols
         try:
             self._native_create = "mode" in inspect.signature(self.fs.pipe_file).parameters
         except (TypeError, ValueError):

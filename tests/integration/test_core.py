@@ -317,3 +317,17 @@ def test_no_segments_left_after_exit(tmp_path):
         ckpt.save(0, {"x": torch.randn(10000)})
         assert _shm_bytes_of_this_process() > 0
     assert _shm_bytes_of_this_process() == 0
+
+
+def test_memory_filesystem_uses_in_process_uploaders(tmp_path):
+    url = f"memory://mpckpt-test-{os.getpid()}-{tmp_path.name}"
+    model, opt = make_model()
+    train_step(model, opt, 0)
+    state = {"model": model, "optim": opt}
+    with mpckpt.Checkpointer(url, workers=2) as ckpt:
+        assert ckpt.pool.in_process
+        ckpt.save(0, state)
+        ckpt.save(1, state, mode="sync")
+    assert ckpt.steps() == [0, 1]
+    loaded = mpckpt.load(url)
+    assert_same(model.state_dict(), loaded["model"])
