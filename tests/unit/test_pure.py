@@ -1,0 +1,138 @@
+"""Unit tests of the pure parts: settings, sizes, layout, headers, manifests, retention, API."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+import mpckpt
+from mpckpt import _layout
+from mpckpt._snapshot import flatten
+from mpckpt.config import BudgetPolicy, Config, parse_bytes
+from mpckpt.errors import ConfigError, CorruptCheckpointError
+from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, step_of
+from mpckpt.format.safetensors import HeaderEntry, build_header, parse_header
+from mpckpt.retention import keep_any, keep_best_n, keep_every_n_steps, keep_last_n, keep_newer_than
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("1.5GB", 1_500_000_000), ("1048576", 1 << 20),
+    (" 2 kib ", 2048), (4096, 4096), ("0.5", 500), (0.25, 250),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text, setting="memory_budget", available=1000) == expected
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "0", "1.5B5", "", "nan", "inf", "3 parsecs", None, [1]])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ConfigError, match="memory_budget"):
+        parse_bytes(bad, setting="memory_budget", available=1000)
+
+
+def test_config_argument_beats_environment_beats_default():
+    env = {"MPCKPT_MEMORY_BUDGET": "64MiB", "MPCKPT_WORKERS": "3", "MPCKPT_POLICY": "skip"}
+    cfg = Config.resolve(environ=env)
+    assert (cfg.memory_budget_bytes, cfg.workers, cfg.policy) == (64 << 20, 3, BudgetPolicy.SKIP)
+    cfg = Config.resolve(memory_budget="32MiB", workers=1, policy="coalesce", environ=env)
+    assert (cfg.memory_budget_bytes, cfg.workers, cfg.policy) == (32 << 20, 1, BudgetPolicy.COALESCE)
+    cfg = Config.resolve(environ={})
+    assert cfg.memory_budget_bytes >= 1 << 20 and cfg.workers == 2 and cfg.policy is BudgetPolicy.BLOCK
+
+
+def _leaves(sizes):
+    return [types.SimpleNamespace(name=f"t{i}", code="F32", source=torch.empty(n), nbytes=4 * n)
+            for i, n in enumerate(sizes)]
+
+
+def test_layout_balances_shards_across_workers():
+    layout = _layout.plan_layout(_leaves([1000, 900, 800, 100, 100, 50]), budget_bytes=1 << 30, workers=2)
+    assert len(layout.waves) == 1
+    loads = [s.nbytes for s in layout.waves[0].shards]
+    assert len(loads) == 2 and max(loads) - min(loads) <= 4 * 1000
+
+
+def test_layout_streams_a_state_larger_than_the_budget_in_waves():
+    budget = 4 << 20
+    mib = (1 << 20) // 4  # float32 elements in one MiB
+    layout = _layout.plan_layout(_leaves([mib] * 6 + [3 * mib]), budget_bytes=budget, workers=2)
+    assert len(layout.waves) > 2
+    assert all(w.nbytes <= budget // 2 for w in layout.waves)
+    chunks = [p for w in layout.waves for s in w.shards for p in s.pieces if p.chunk]
+    assert chunks and {p.key.split("#")[0] for p in chunks} == {"t6"}
+    assert sum(p.nbytes for p in chunks) == 3 << 20
+
+
+def test_layout_keeps_every_piece_aligned_to_its_element_size():
+    leaves = [types.SimpleNamespace(name=f"t{i}", code=code, source=torch.empty(n), nbytes=n * size)
+              for i, (code, size, n) in enumerate([("U8", 1, 3), ("F64", 8, 5), ("F16", 2, 7), ("F32", 4, 1)])]
+    layout = _layout.plan_layout(leaves, budget_bytes=1 << 30, workers=1)
+    for shard in layout.waves[0].shards:
+        for p in shard.pieces:
+            assert p.offset % p.itemsize == 0
+
+
+def test_header_round_trip_and_validation():
+    header = build_header([HeaderEntry("a", "F32", (2, 2), 0, 16), HeaderEntry("b", "U8", (3,), 16, 19)], {"k": "v"})
+    assert len(header) % 8 == 0
+    parsed = parse_header(header, path="x", file_size=len(header) + 19)
+    assert parsed.entries["b"].end == 19 and parsed.metadata == {"k": "v"}
+    with pytest.raises(CorruptCheckpointError, match="data section"):
+        parse_header(header, path="x", file_size=len(header) + 25)  # trailing bytes no tensor covers
+    hole = build_header([HeaderEntry("a", "F32", (1,), 4, 8)])
+    with pytest.raises(CorruptCheckpointError, match="hole"):
+        parse_header(hole, path="x", file_size=len(hole) + 8)
+
+
+def test_manifest_round_trip_and_tamper_detection():
+    m = Manifest(step=3, seq=1, kind="state", files={"a.safetensors": FileEntry(10, "ab"), "s.json": FileEntry(2, "cd", ref="step_0000000001")},
+                 metrics={"loss": 0.5, "bad": float("nan")})
+    data = m.to_bytes()
+    back = Manifest.from_bytes(data, path="m")
+    assert back.files == m.files and back.metrics["loss"] == 0.5 and back.metrics["bad"] == "nan"
+    assert back.location("step_0000000003", "s.json") == "step_0000000001/s.json"
+    body = json.loads(data)
+    body["step"] = 4
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        Manifest.from_bytes(json.dumps(body).encode(), path="m")
+    with pytest.raises(CorruptCheckpointError, match="torn"):
+        Manifest.from_bytes(data[: len(data) // 2], path="m")
+
+
+def test_checkpoint_names():
+    assert checkpoint_name(42) == "step_0000000042"
+    assert step_of("step_0000000042") == 42 and step_of(".tmp.step_1") is None and step_of("step_x") is None
+
+
+def _records(steps, losses=None):
+    return [(s, types.SimpleNamespace(metrics={"loss": (losses or {}).get(s)} if losses else {},
+                                      created_unix=100.0 + s)) for s in steps]
+
+
+def test_retention_policies_are_pure_and_combine():
+    recs = _records([1, 2, 3, 4, 5], {1: 0.1, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.8})
+    assert keep_last_n(recs, 2) == [False, False, False, True, True]
+    assert keep_best_n(recs, 1, "loss") == [True, False, False, False, True]  # the newest is always kept
+    assert keep_every_n_steps(recs, 2) == [False, True, False, True, True]
+    assert keep_newer_than(recs, 1.5, now=105.0) == [False, False, False, True, True]
+    assert keep_any(recs, lambda r: keep_last_n(r, 1), lambda r: keep_best_n(r, 1, "loss")) == \
+        [True, False, False, False, True]
+    with pytest.raises(ConfigError):
+        keep_last_n(recs, 0)
+
+
+def test_flatten_keeps_int_keys_and_tuples_json_safe():
+    flat = flatten({0: {"m": torch.ones(2)}, "betas": (0.9, 0.99), "lr": 1e-3})
+    text = json.dumps(flat.tree, allow_nan=False)
+    assert '"tuple"' in text and len(flat.leaves) == 1
+
+
+def test_public_api_is_exactly_all():
+    assert sorted(mpckpt.__all__) == sorted(set(mpckpt.__all__))
+    for name in mpckpt.__all__:
+        assert getattr(mpckpt, name) is not None
+    with pytest.raises(AttributeError):
+        mpckpt.NotAThing  # noqa: B018
+    assert set(dir(mpckpt)) == set(mpckpt.__all__)
