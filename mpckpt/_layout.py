@@ -49,6 +49,7 @@ class Piece:
 class ShardPlan:
     filename: str
     pieces: list[Piece]
+    frozen: bool = False     # holds only frozen leaves: may be referenced instead of rewritten
     offset: int = 0          # in the wave's region
     nbytes: int = 0
     header: bytes = b""
@@ -105,8 +106,12 @@ def _balance(pieces: list[Piece], n_shards: int) -> list[list[Piece]]:
     return [b for b in bins if b]
 
 
-def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_prefix: str = "") -> Layout:
-    """Assign every leaf (``.name``, ``.code``, ``.source``, ``.nbytes``) to waves and shards."""
+def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_prefix: str = "",
+                frozen: frozenset[int] = frozenset()) -> Layout:
+    """Assign every leaf (``.name``, ``.code``, ``.source``, ``.nbytes``) to waves and shards.
+
+    Leaves in ``frozen`` never share a shard with other leaves.
+    """
     total = sum(leaf.nbytes for leaf in leaves) + SHARD_ALIGN * max(1, workers)
     wave_cap = total if total <= budget_bytes else max(MIN_WAVE_BYTES, budget_bytes // 2 // SHARD_ALIGN * SHARD_ALIGN)
     pieces = _pieces(leaves, wave_cap)
@@ -127,8 +132,12 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_pref
     for group in groups:
         wave = WavePlan(shards=[])
         offset = 0
-        for bin_pieces in _balance(group, max(1, min(workers, len(group)))):
-            shard = ShardPlan(f"{file_prefix}shard-{shard_index:05d}.safetensors", [], offset=offset)
+        still = [p for p in group if p.leaf in frozen]
+        moving = [p for p in group if p.leaf not in frozen]
+        bins = [(b, True) for b in _balance(still, max(1, min(workers, len(still))))] if still else []
+        bins += [(b, False) for b in _balance(moving, max(1, min(workers, len(moving))))] if moving else []
+        for bin_pieces, is_frozen in bins:
+            shard = ShardPlan(f"{file_prefix}shard-{shard_index:05d}.safetensors", [], offset=offset, frozen=is_frozen)
             shard_index += 1
             pos = 0
             for piece in sorted(bin_pieces, key=lambda p: -p.itemsize):

@@ -57,6 +57,13 @@ class FlatState:
     leaves: list[TensorLeaf]
     # table rows in skeleton order; a row is either {"leaf": i} or {"view_of": i, ...}
     table: list[dict[str, Any]]
+    # leaves that are parameters with requires_grad=False (frozen weights): they get shards
+    # of their own, which later saves reference instead of rewriting while they are unchanged
+    frozen: frozenset[int] = frozenset()
+
+    def versions(self, leaves: Any) -> tuple[tuple[int, int], ...]:
+        """(address, in-place version counter) of each leaf: equal means unchanged."""
+        return tuple((self.leaves[i].source.data_ptr(), self.leaves[i].source._version) for i in leaves)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +83,7 @@ class _Flattener:
         # storage key -> list of (table row index, tensor)
         self.by_storage: dict[tuple[Any, int], list[tuple[int, torch.Tensor, str]]] = {}
         self.active: set[int] = set()
+        self.frozen_ptrs: set[int] = set()
 
     def visit(self, value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, int, str)):
@@ -98,6 +106,8 @@ class _Flattener:
             return self.container(value, path, lambda v, p: [self.visit(x, _path(p, i)) for i, x in enumerate(v)])
         if type(value) is tuple:
             return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, _path(p, i)) for i, x in enumerate(v)]})
+        if isinstance(value, torch.nn.Module):
+            self.frozen_ptrs.update(p.data_ptr() for p in value.parameters() if not p.requires_grad)
         state_dict = getattr(value, "state_dict", None)
         if callable(state_dict) and not isinstance(value, type):
             return self.container(value, path, lambda v, p: self.visit(v.state_dict(), p))
@@ -219,7 +229,9 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     f = _Flattener(allow_pickle)
     tree = f.visit(state, "")
     f.resolve_shared()
-    return FlatState(tree, f.leaves, f.table)
+    frozen = frozenset(i for i, leaf in enumerate(f.leaves)
+                       if f.frozen_ptrs and not leaf.raw and leaf.source.numel() and leaf.source.data_ptr() in f.frozen_ptrs)
+    return FlatState(tree, f.leaves, f.table, frozen)
 
 
 # -- the way back ----------------------------------------------------------------------------

@@ -101,6 +101,8 @@ class Checkpointer:
         self.stats = CheckpointerStats()
         self._futures: list[SaveFuture] = []
         self._layouts: dict[Any, Layout] = {}
+        # (layout key, shard file) -> (versions of its frozen tensors, where the file is committed)
+        self._frozen_files: dict[tuple[int, str], tuple[tuple[tuple[int, int], ...], FileEntry]] = {}
         self.reported: list[dict[str, Any]] = []
 
     @property
@@ -207,31 +209,58 @@ class Checkpointer:
             self.ledger.resolve(record, "failed", e)
             raise
         record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
-        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards)
+        reuse = self._reuse_unchanged(record, flat, layout)
+        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
+                                  if s.filename not in reuse.files)
         overlap = self.config.overlap if overlap is None else bool(overlap)
         if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
             try:
-                self._snapshot_overlapped(record, state, flat, layout, first)
+                self._snapshot_overlapped(record, state, flat, layout, first, reuse)
             except BaseException as e:
                 self.ledger.resolve(record, "failed", e)
                 self.ledger.all_submitted(record)
                 raise
         else:
-            self._snapshot_eager(record, flat, layout, first)
+            self._snapshot_eager(record, flat, layout, first, reuse)
         if mode is UploadMode.SYNC:
             future.result(self.config.timeout_s)
         stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
 
-    def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None) -> None:
+    def _reuse_unchanged(self, record: Pending, flat: FlatState, layout: Layout) -> _Reuse:
+        """Frozen shards whose tensors did not change since a committed save: reference them."""
+        reuse = _Reuse()
+        written: dict[str, tuple[tuple[int, int], ...]] = {}
+        for wave in layout.waves:
+            for shard in wave.shards:
+                if not shard.frozen:
+                    continue
+                versions = flat.versions(sorted({p.leaf for p in shard.pieces}))
+                known = self._frozen_files.get((layout.key, shard.filename))
+                if known is not None and known[0] == versions:
+                    reuse.files[shard.filename] = known[1]
+                    reuse.leaves.update(p.leaf for p in shard.pieces)
+                else:
+                    written[shard.filename] = versions
+        record.files.update(reuse.files)
+        if written:
+            def remember() -> None:  # only committed files may ever be referenced
+                for filename, versions in written.items():
+                    e = record.files[filename]
+                    self._frozen_files[(layout.key, filename)] = (versions, FileEntry(e.size, e.checksum, ref=record.name))
+            record.after_commit.append(remember)
+        return reuse
+
+    def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None,
+                        reuse: _Reuse) -> None:
         snap_start = time.perf_counter()
         try:
             for index in range(len(layout.waves)):
                 slab = first if index == 0 else self.arena.acquire(layout.waves[index].nbytes,
                                                                    timeout_s=self.config.timeout_s)
                 assert slab is not None
-                copy_wave(flat, layout, index, slab)
-                self._submit_wave(record, layout, index, slab)
+                copy_wave(flat, layout, index, slab, only=reuse.needs_copy)
+                self._submit_wave(record, layout, index, slab, reuse)
         except BaseException as e:
             self.ledger.resolve(record, "failed", e)
             self.ledger.all_submitted(record)
@@ -240,17 +269,19 @@ class Checkpointer:
         record.snapshot_done_at = time.perf_counter()
         record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
 
-    def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout, slab: Slab | None) -> None:
+    def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout, slab: Slab | None,
+                             reuse: _Reuse) -> None:
         assert slab is not None
         snap_start = time.perf_counter()
-        guarded = step_guarded_leaves(state, flat)
-        copy_wave(flat, layout, 0, slab, only=lambda leaf: leaf not in guarded)  # may change in forward
+        guarded = step_guarded_leaves(state, flat) - reuse.leaves
+        # what the next forward may change in place (buffers) is copied now
+        copy_wave(flat, layout, 0, slab, only=lambda leaf: leaf not in guarded and reuse.needs_copy(leaf))
 
         def rest() -> None:
             submitted = False
             try:
                 copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
-                self._submit_wave(record, layout, 0, slab)
+                self._submit_wave(record, layout, 0, slab, reuse)
                 submitted = True
             except BaseException as e:  # surfaces through the save's future, not lost
                 if not submitted and slab not in record.slabs:
@@ -306,13 +337,16 @@ class Checkpointer:
                 self.ledger.resolve(record, "dropped")
                 return
 
-    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab) -> None:
+    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: _Reuse) -> None:
         assert self.pool is not None
-        wave = layout.waves[index]
-        left = {"jobs": len(wave.shards)}
+        shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]
+        if not shards:
+            self.arena.release(slab)
+            return
+        left = {"jobs": len(shards)}
         record.slabs.append(slab)
         with self.ledger.lock:
-            record.jobs_left += len(wave.shards)
+            record.jobs_left += len(shards)
 
         def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
             rel = job.payload.relpath.rsplit("/", 1)[-1]
@@ -331,7 +365,7 @@ class Checkpointer:
                     record.slabs.remove(slab)
                 self.arena.release(slab)
 
-        for shard in wave.shards:
+        for shard in shards:
             payload = WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
                                shard.offset, shard.nbytes, shard.header)
             self.pool.submit(Job("write", payload, done, tag=record.seq, step=record.step))
@@ -479,10 +513,11 @@ class Checkpointer:
         return step
 
     def _layout_for(self, flat: FlatState) -> Layout:
-        key = tuple((leaf.name, leaf.code, tuple(leaf.source.shape)) for leaf in flat.leaves)
+        key = (tuple((leaf.name, leaf.code, tuple(leaf.source.shape)) for leaf in flat.leaves), flat.frozen)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = plan_layout(flat.leaves, budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
+            layout = plan_layout(flat.leaves, budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers,
+                                 frozen=flat.frozen)
             if len(self._layouts) >= _LAYOUT_CACHE:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout
@@ -498,7 +533,9 @@ class Checkpointer:
         referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
         for (step, m), keep_it in zip(committed, keep_last_n(committed, keep)):
             if not keep_it and checkpoint_name(step) not in referenced:
-                self.backend.delete(checkpoint_name(step))
+                gone = checkpoint_name(step)
+                self._frozen_files = {k: v for k, v in self._frozen_files.items() if v[1].ref != gone}
+                self.backend.delete(gone)
                 with self.ledger.lock:
                     self.ledger.committed.pop(step, None)
 
@@ -579,6 +616,17 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
         self.prepare(state)
         return restored
+
+
+@dataclasses.dataclass
+class _Reuse:
+    """Shard files of this save that are referenced, not written, and the leaves they hold."""
+
+    files: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
+    leaves: set[int] = dataclasses.field(default_factory=set)
+
+    def needs_copy(self, leaf: int) -> bool:
+        return leaf not in self.leaves
 
 
 def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:
