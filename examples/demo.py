@@ -8,7 +8,6 @@ that every tensor came back bit for bit.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import tempfile
@@ -77,7 +76,7 @@ def main() -> None:
     state2 = {"model": model2, "optim": opt2, "epoch": -1}
     with mpckpt.Checkpointer(root, workers=1) as again:
         restored = again.restore(state2)
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
     opt_a, opt_b = opt.state_dict()["state"], opt2.state_dict()["state"]
     same_opt = all(torch.equal(opt_a[k][n], opt_b[k][n]) for k in opt_a for n in opt_a[k])
     plain = mpckpt.load(root)

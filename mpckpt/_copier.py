@@ -11,7 +11,8 @@ state, so the slab can be created and touched at open instead of inside the firs
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

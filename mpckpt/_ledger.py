@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from mpckpt._futures import SaveFuture
 from mpckpt.errors import (

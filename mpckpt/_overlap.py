@@ -17,7 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook

@@ -23,8 +23,9 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import multiprocess
 from multiprocess.connection import wait as mp_wait

@@ -218,7 +218,7 @@ def _view_signature(t: torch.Tensor) -> tuple[Any, ...]:
 def _end_byte(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return t.storage_offset() * t.element_size()
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + last + 1) * t.element_size()
 
 

@@ -13,7 +13,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from mpckpt.errors import ConfigError
 

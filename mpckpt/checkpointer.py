@@ -15,25 +15,23 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
 import socket
 import time
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from mpckpt import _shm
-from mpckpt._arena import Arena, Slab
-from mpckpt._copier import copy_wave, estimate_state_bytes
+from mpckpt._arena import Arena
+from mpckpt._copier import estimate_state_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
-from mpckpt._layout import Layout, plan_layout
 from mpckpt._ledger import Ledger, Pending, scan
-from mpckpt._overlap import BackgroundCopier, step_guarded_leaves
-from mpckpt._pool import Job, UploaderPool
-from mpckpt._snapshot import FlatState, flatten
-from mpckpt._worker import UploadJob, WriteJob
+from mpckpt._pool import UploaderPool
+from mpckpt._saving import Snapshotter, skeleton_bytes
+from mpckpt._snapshot import flatten
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import BudgetPolicy, Config, UploadMode
 from mpckpt.errors import (
@@ -42,10 +40,9 @@ from mpckpt.errors import (
     CorruptCheckpointError,
     MpckptError,
     StepOrderError,
-    UploadError,
 )
-from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest, checkpoint_name
-from mpckpt.restore import SKELETON_VERSION, apply_state, load_checkpoint
+from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
+from mpckpt.restore import apply_state, load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
@@ -76,7 +73,6 @@ class Checkpointer:
             start_method=start_method, environ=environ,
         )
         self._closed = True
-        self._copier: BackgroundCopier | None = None
         self._spec = spec_for_url(root, dict(storage_options or {}))
         self.backend = open_backend(self._spec)
         self.backend.check_writable()
@@ -92,6 +88,8 @@ class Checkpointer:
                                      nice=self.config.nice, max_attempts=self.config.max_job_attempts,
                                      in_process=bool(getattr(self.backend, "process_local", False)))
             self.pool.start()
+            self._saver = Snapshotter(self.config, self.backend, self._spec.root, self.ledger, self.arena, self.pool,
+                                      on_wait=self._raise_unseen)
         except BaseException:
             if self.pool is not None:
                 self.pool.close(timeout_s=5)
@@ -100,9 +98,6 @@ class Checkpointer:
         self._closed = False
         self.stats = CheckpointerStats()
         self._futures: list[SaveFuture] = []
-        self._layouts: dict[Any, Layout] = {}
-        # (layout key, shard file) -> (versions of its frozen tensors, where the file is committed)
-        self._frozen_files: dict[tuple[int, str], tuple[tuple[tuple[int, int], ...], FileEntry]] = {}
         self.reported: list[dict[str, Any]] = []
 
     @property
@@ -146,8 +141,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            if self._copier is not None:
-                self._copier.close()
+            self._saver.close()
             self.ledger.close(timeout_s=self.config.timeout_s)
             if self.pool is not None:
                 self.pool.close()
@@ -186,12 +180,12 @@ class Checkpointer:
         step = self._check_step(step)
         metrics = _check_metrics(metrics)
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        layout = self._layout_for(flat)
+        layout = self._saver.layout_for(flat)
         stats = SaveStats(step, bytes=flat.nbytes)
         future = SaveFuture(stats)
         self.stats.saves.append(stats)
 
-        first = self._first_slab(layout, step) if layout.waves else None
+        first = self._saver.take_slab(layout) if layout.waves else None
         if layout.waves and first is None:
             stats.status = "skipped"
             future._resolve(None)
@@ -209,93 +203,23 @@ class Checkpointer:
             self.ledger.resolve(record, "failed", e)
             raise
         record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
-        reuse = self._reuse_unchanged(record, flat, layout)
+        reuse = self._saver.reuse_unchanged(record, flat, layout)
         stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
                                   if s.filename not in reuse.files)
         overlap = self.config.overlap if overlap is None else bool(overlap)
         if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
             try:
-                self._snapshot_overlapped(record, state, flat, layout, first, reuse)
+                self._saver.snapshot_overlapped(record, state, flat, layout, first, reuse)
             except BaseException as e:
                 self.ledger.resolve(record, "failed", e)
                 self.ledger.all_submitted(record)
                 raise
         else:
-            self._snapshot_eager(record, flat, layout, first, reuse)
+            self._saver.snapshot_eager(record, flat, layout, first, reuse)
         if mode is UploadMode.SYNC:
             future.result(self.config.timeout_s)
         stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
-
-    def _reuse_unchanged(self, record: Pending, flat: FlatState, layout: Layout) -> _Reuse:
-        """Frozen shards whose tensors did not change since a committed save: reference them."""
-        reuse = _Reuse()
-        written: dict[str, tuple[tuple[int, int], ...]] = {}
-        for wave in layout.waves:
-            for shard in wave.shards:
-                if not shard.frozen:
-                    continue
-                versions = flat.versions(sorted({p.leaf for p in shard.pieces}))
-                known = self._frozen_files.get((layout.key, shard.filename))
-                if known is not None and known[0] == versions:
-                    reuse.files[shard.filename] = known[1]
-                    reuse.leaves.update(p.leaf for p in shard.pieces)
-                else:
-                    written[shard.filename] = versions
-        record.files.update(reuse.files)
-        if written:
-            def remember() -> None:  # only committed files may ever be referenced
-                for filename, versions in written.items():
-                    e = record.files[filename]
-                    self._frozen_files[(layout.key, filename)] = (versions, FileEntry(e.size, e.checksum, ref=record.name))
-            record.after_commit.append(remember)
-        return reuse
-
-    def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None,
-                        reuse: _Reuse) -> None:
-        snap_start = time.perf_counter()
-        try:
-            for index in range(len(layout.waves)):
-                slab = first if index == 0 else self.arena.acquire(layout.waves[index].nbytes,
-                                                                   timeout_s=self.config.timeout_s)
-                assert slab is not None
-                copy_wave(flat, layout, index, slab, only=reuse.needs_copy)
-                self._submit_wave(record, layout, index, slab, reuse)
-        except BaseException as e:
-            self.ledger.resolve(record, "failed", e)
-            self.ledger.all_submitted(record)
-            raise
-        self.ledger.all_submitted(record)
-        record.snapshot_done_at = time.perf_counter()
-        record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
-
-    def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout, slab: Slab | None,
-                             reuse: _Reuse) -> None:
-        assert slab is not None
-        snap_start = time.perf_counter()
-        guarded = step_guarded_leaves(state, flat) - reuse.leaves
-        # what the next forward may change in place (buffers) is copied now
-        copy_wave(flat, layout, 0, slab, only=lambda leaf: leaf not in guarded and reuse.needs_copy(leaf))
-
-        def rest() -> None:
-            submitted = False
-            try:
-                copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
-                self._submit_wave(record, layout, 0, slab, reuse)
-                submitted = True
-            except BaseException as e:  # surfaces through the save's future, not lost
-                if not submitted and slab not in record.slabs:
-                    self.arena.release(slab)
-                self.ledger.resolve(record, "failed", e)
-                raise
-            finally:
-                record.snapshot_done_at = time.perf_counter()
-                record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
-                self.ledger.all_submitted(record)
-
-        if self._copier is None:
-            self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
-        self._copier.run(record.future.stats, rest)
 
     def snapshot_barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying.
@@ -303,72 +227,8 @@ class Checkpointer:
         ``optimizer.step()`` calls this for you; call it before any other in-place change of
         parameters or optimizer state (an EMA update, a manual weight edit).
         """
-        if self._copier is not None:
-            self._copier.barrier()
-
-    def _first_slab(self, layout: Layout, step: int) -> Slab | None:
-        need = layout.waves[0].nbytes
-        slab = self.arena.try_acquire(need)
-        if slab is not None:
-            return slab
-        policy = self.config.policy
-        if policy is BudgetPolicy.SKIP:
-            return None
-        if policy is BudgetPolicy.COALESCE:
-            self._coalesce_one()
-            slab = self.arena.try_acquire(need)
-            if slab is not None:
-                return slab
-        return self.arena.acquire(need, timeout_s=self.config.timeout_s, on_wait=self._raise_unseen)
-
-    def _coalesce_one(self) -> None:
-        """Drop the newest pending checkpoint none of whose uploads has started."""
-        assert self.pool is not None
-        for record in reversed(self.ledger.pending()):
-            if record.kind != "state" or record.outcome is not None or not record.submitted_all:
-                continue
-            if self.pool.cancel(record.seq):
-                record.future.stats.status = "coalesced"
-                for slab in record.slabs:
-                    self.arena.release(slab)
-                record.slabs.clear()
-                if record.staging is not None:
-                    self.backend.abort(record.staging)
-                self.ledger.resolve(record, "dropped")
-                return
-
-    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: _Reuse) -> None:
-        assert self.pool is not None
-        shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]
-        if not shards:
-            self.arena.release(slab)
-            return
-        left = {"jobs": len(shards)}
-        record.slabs.append(slab)
-        with self.ledger.lock:
-            record.jobs_left += len(shards)
-
-        def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
-            rel = job.payload.relpath.rsplit("/", 1)[-1]
-            if error is not None:
-                err = UploadError(f"step {record.step}: writing shard {rel} failed: {type(error).__name__}: {error}",
-                                  step=record.step, shard=rel)
-                err.__cause__ = error
-                self.ledger.resolve(record, "failed", err)
-                self.ledger.file_failed(record)
-            else:
-                assert result is not None
-                self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
-            left["jobs"] -= 1
-            if left["jobs"] == 0:
-                if slab in record.slabs:
-                    record.slabs.remove(slab)
-                self.arena.release(slab)
-
-        for shard in shards:
-            payload = WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
-                               shard.offset, shard.nbytes, shard.header)
-            self.pool.submit(Job("write", payload, done, tag=record.seq, step=record.step))
+        if not self._closed:
+            self._saver.barrier()
 
     def report(
         self,
@@ -411,9 +271,9 @@ class Checkpointer:
         try:
             record.staging = self.backend.stage(record.name)
             if mode is UploadMode.NO_UPLOAD:
-                self._adopt_directory(record, checkpoint.path, files)
+                self._saver.adopt_directory(record, checkpoint.path, files)
             else:
-                self._submit_upload(record, checkpoint.path, files)
+                self._saver.submit_upload(record, checkpoint.path, files)
                 if delete_local_after_upload:
                     record.after_commit.append(lambda: shutil.rmtree(checkpoint.path))
         except BaseException as e:
@@ -428,43 +288,6 @@ class Checkpointer:
         stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
 
-    def _submit_upload(self, record: Pending, folder: str, files: list[str]) -> None:
-        assert self.pool is not None
-        with self.ledger.lock:
-            record.jobs_left += len(files)
-
-        def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
-            rel = job.payload.relpath[len(record.staging or "") + 1:]
-            if error is not None:
-                err = UploadError(f"step {record.step}: uploading {rel} failed: {type(error).__name__}: {error}",
-                                  step=record.step, shard=rel)
-                err.__cause__ = error
-                self.ledger.resolve(record, "failed", err)
-                self.ledger.file_failed(record)
-            else:
-                assert result is not None
-                self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
-
-        for rel in files:
-            payload = UploadJob(f"{record.staging}/{rel}", os.path.join(folder, rel))
-            self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step))
-
-    def _adopt_directory(self, record: Pending, folder: str, files: list[str]) -> None:
-        from mpckpt.format.manifest import checksum
-
-        target = os.path.join(self._spec.root, record.staging or "")
-        for rel in files:
-            with open(os.path.join(folder, rel), "rb") as f:
-                data = f.read()
-            record.files[rel] = FileEntry(len(data), checksum(data))
-        shutil.rmtree(target)
-        try:
-            os.rename(folder, target)
-        except OSError as e:
-            raise ConfigError(f"mode=NO_UPLOAD: cannot move {folder} into {self.url} ({e.strerror}); "
-                              "it must be on the same filesystem, or use ASYNC") from e
-
-    # -- waiting and errors -------------------------------------------------------------------
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed; raise unseen failures."""
         if self._closed:
@@ -512,17 +335,6 @@ class Checkpointer:
             )
         return step
 
-    def _layout_for(self, flat: FlatState) -> Layout:
-        key = (tuple((leaf.name, leaf.code, tuple(leaf.source.shape)) for leaf in flat.leaves), flat.frozen)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = plan_layout(flat.leaves, budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers,
-                                 frozen=flat.frozen)
-            if len(self._layouts) >= _LAYOUT_CACHE:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = layout
-        return layout
-
     def _after_commit(self, record: Pending, manifest: Manifest) -> None:
         keep = self.config.keep_last
         if keep is None:
@@ -531,10 +343,10 @@ class Checkpointer:
 
         committed = sorted(self.ledger.committed.items())
         referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
-        for (step, m), keep_it in zip(committed, keep_last_n(committed, keep)):
+        for (step, _), keep_it in zip(committed, keep_last_n(committed, keep), strict=True):
             if not keep_it and checkpoint_name(step) not in referenced:
                 gone = checkpoint_name(step)
-                self._frozen_files = {k: v for k, v in self._frozen_files.items() if v[1].ref != gone}
+                self._saver.forget_folder(gone)
                 self.backend.delete(gone)
                 with self.ledger.lock:
                     self.ledger.committed.pop(step, None)
@@ -616,30 +428,6 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
         self.prepare(state)
         return restored
-
-
-@dataclasses.dataclass
-class _Reuse:
-    """Shard files of this save that are referenced, not written, and the leaves they hold."""
-
-    files: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
-    leaves: set[int] = dataclasses.field(default_factory=set)
-
-    def needs_copy(self, leaf: int) -> bool:
-        return leaf not in self.leaves
-
-
-def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:
-    """The JSON skeleton of one save: tree, tensor table and where each leaf's bytes are."""
-    from mpckpt._dtypes import dtype_name
-
-    leaves = [
-        {"name": leaf.name, "dtype": dtype_name(leaf.dtype), "shape": list(leaf.shape), "raw": leaf.raw,
-         "parts": [list(p) for p in layout.parts.get(i, [])]}
-        for i, leaf in enumerate(flat.leaves)
-    ]
-    doc = {"version": SKELETON_VERSION, "tree": flat.tree, "table": flat.table, "leaves": leaves}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False,

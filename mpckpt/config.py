@@ -15,8 +15,9 @@ import enum
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 

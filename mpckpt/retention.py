@@ -9,7 +9,8 @@ checkpointer never deletes a folder that a newer manifest still references.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mpckpt.errors import ConfigError
 

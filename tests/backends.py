@@ -14,7 +14,8 @@ import os
 import re
 import signal
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpckpt.storage import BackendSpec, register_backend
 from mpckpt.storage.local import LocalBackend

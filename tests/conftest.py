@@ -69,7 +69,7 @@ def assert_same(a: object, b: object, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}.{i}")
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, path

@@ -24,8 +24,9 @@ carry credentials: ``BackendSpec.__repr__`` never shows them.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from mpckpt.errors import ConfigError
 
@@ -135,7 +136,7 @@ class Backend(Protocol):
         """
         ...
 
-    def acquire_writer_lock(self, owner: str) -> "WriterLock":
+    def acquire_writer_lock(self, owner: str) -> WriterLock:
         """Take the single-writer lock of this root or raise ``LockedError``.
 
         A lock held by a dead process must not block forever: local disk uses ``flock``

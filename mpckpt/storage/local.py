@@ -16,7 +16,7 @@ import fcntl
 import os
 import secrets
 import shutil
-from typing import Sequence
+from collections.abc import Sequence
 
 from mpckpt.errors import (
     CheckpointNotFoundError,

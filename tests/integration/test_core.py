@@ -123,7 +123,9 @@ def test_commits_in_save_order_when_uploads_finish_out_of_order(tmp_path):
     opts = {"delay": {r"step_0000000001\.": 1.5}, "marker_dir": str(markers)}
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=2, storage_options=opts) as ckpt:
         futures = [ckpt.save(s, {"x": torch.full((1000,), float(s))}) for s in range(4)]
-        staged = lambda s: [p for p in os.listdir(tmp_path / "run") if p.startswith(f".tmp.step_{s:010d}.")]
+        def staged(s: int) -> list[str]:
+            return [p for p in os.listdir(tmp_path / "run") if p.startswith(f".tmp.step_{s:010d}.")]
+
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (staged(3) and os.listdir(tmp_path / "run" / staged(3)[0])):
             time.sleep(0.01)
