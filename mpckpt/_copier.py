@@ -35,30 +35,30 @@ def _views(slab: Slab, layout: Layout, wave_index: int, wave: WavePlan) -> list[
     return views
 
 
+@torch.no_grad()  # sources may be parameters that require grad; the copy is not part of training
 def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
               only: Callable[[int], bool] | None = None) -> None:
     """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts)."""
     wave = layout.waves[wave_index]
     views = _views(slab, layout, wave_index, wave)
-    leaves = flat.leaves
-    on_cuda = False
-    i = 0
-    for shard in wave.shards:
-        for p in shard.pieces:
-            if only is not None and not only(p.leaf):
-                i += 1
-                continue
-            src = leaves[p.leaf].source
-            if p.chunk is not None:
-                src = src.reshape(-1)[p.chunk[0]:p.chunk[1]]
-            if src.is_cuda:
-                on_cuda = True
-                views[i].copy_(src, non_blocking=slab.pinned)
-            else:
-                views[i].copy_(src)
-            i += 1
-    if on_cuda:
+    sources = [leaf.source for leaf in flat.leaves]
+    if flat.on_cuda:
+        _copy_pieces(wave.copy_plan, views, sources, only, non_blocking=slab.pinned)
         torch.cuda.current_stream().synchronize()
+    else:
+        _copy_pieces(wave.copy_plan, views, sources, only, non_blocking=False)
+
+
+def _copy_pieces(plan: list[tuple[int, tuple[int, int] | None]], views: list[torch.Tensor], sources: list[torch.Tensor],
+                 only: Callable[[int], bool] | None, *, non_blocking: bool) -> None:
+    # INVARIANT: ``plan`` and ``views`` list the wave's pieces in the same order.
+    for dst, (leaf, chunk) in zip(views, plan, strict=True):
+        if only is not None and not only(leaf):
+            continue
+        src = sources[leaf]
+        if chunk is not None:
+            src = src.reshape(-1)[chunk[0]:chunk[1]]
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 # Extra state tensors (as multiples of the parameters' bytes) that one optimizer step creates.

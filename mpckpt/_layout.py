@@ -60,6 +60,15 @@ class WavePlan:
     shards: list[ShardPlan]
     nbytes: int = 0          # slab bytes this wave needs
 
+    @property
+    def copy_plan(self) -> list[tuple[int, tuple[int, int] | None]]:
+        """(leaf, chunk) of every piece, in shard order (the order of the slab views)."""
+        plan = self.__dict__.get("_copy_plan")
+        if plan is None:
+            plan = [(p.leaf, p.chunk) for s in self.shards for p in s.pieces]
+            self.__dict__["_copy_plan"] = plan
+        return plan
+
 
 @dataclass
 class Layout:

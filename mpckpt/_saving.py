@@ -61,7 +61,7 @@ class Snapshotter:
             self._copier.close()
 
     def layout_for(self, flat: FlatState) -> Layout:
-        key = (tuple((leaf.name, leaf.code, tuple(leaf.source.shape)) for leaf in flat.leaves), flat.frozen)
+        key = (tuple([(leaf.name, leaf.code, leaf.source.shape) for leaf in flat.leaves]), flat.frozen)
         layout = self._layouts.get(key)
         if layout is None:
             layout = plan_layout(flat.leaves, budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers,

@@ -32,10 +32,11 @@ from mpckpt import _dtypes
 from mpckpt.errors import CorruptCheckpointError, StateError
 
 TAG = "__mpckpt__"
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _KEY_TYPES = (str, int, float, bool, type(None))
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorLeaf:
     """One tensor to store: its source (as written), and how to rebuild the original."""
 
@@ -60,6 +61,7 @@ class FlatState:
     # leaves that are parameters with requires_grad=False (frozen weights): they get shards
     # of their own, which later saves reference instead of rewriting while they are unchanged
     frozen: frozenset[int] = frozenset()
+    on_cuda: bool = False  # any leaf lives on a CUDA device
 
     def versions(self, leaves: Any) -> tuple[tuple[int, int], ...]:
         """(address, in-place version counter) of each leaf: equal means unchanged."""
@@ -81,17 +83,17 @@ class _Flattener:
         self.table: list[dict[str, Any]] = []
         self.names: set[str] = set()
         # storage key -> list of (table row index, tensor)
-        self.by_storage: dict[tuple[Any, int], list[tuple[int, torch.Tensor, str]]] = {}
+        self.by_storage: dict[tuple[int, int], list[tuple[int, torch.Tensor, str]]] = {}
         self.active: set[int] = set()
         self.frozen_ptrs: set[int] = set()
 
     def visit(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
         if value is None or isinstance(value, (bool, int, str)):
             return value
         if isinstance(value, float):
             return value if math.isfinite(value) else {TAG: "float", "v": repr(value)}
-        if isinstance(value, torch.Tensor):
-            return self.tensor(value, path)
         if isinstance(value, (bytes, bytearray)):
             return {TAG: "bytes", "v": base64.b64encode(bytes(value)).decode()}
         if isinstance(value, torch.dtype):
@@ -151,31 +153,36 @@ class _Flattener:
         return {TAG: "pickle", "v": base64.b64encode(blob).decode()}
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        # Hot path (one call per tensor per save): cheap checks only, no detach, no storage
+        # object; the precise error message is built only when a check fails.
+        if (type(t) not in _PLAIN_TENSORS or t.layout is not torch.strided or t.is_nested or t.is_meta
+                or not _dtypes.is_supported(t.dtype)):
+            self.reject(t, path)
+        row = len(self.table)
+        self.table.append({})
+        if t.numel() == 0:
+            self.table[row] = {"leaf": self.add_leaf(t, path)}
+        else:
+            base = t.data_ptr() - t.storage_offset() * t.element_size()
+            self.by_storage.setdefault((t.get_device(), base), []).append((row, t, path))
+        return {TAG: "tensor", "id": row}
+
+    def reject(self, t: torch.Tensor, path: str) -> None:
         where = path or "<root>"
+        if t.is_quantized:
+            raise StateError(f"state key {where!r} is a quantized tensor; save .int_repr() and its scales", key=path)
         if t.layout != torch.strided:
             raise StateError(f"state key {where!r} is a {t.layout} tensor; call .to_dense() before saving", key=path)
         if t.is_nested:
             raise StateError(f"state key {where!r} is a nested tensor; unbind it into a list of tensors", key=path)
-        if t.is_quantized:
-            raise StateError(f"state key {where!r} is a quantized tensor; save .int_repr() and its scales", key=path)
-        if t.device.type == "meta":
+        if t.is_meta:
             raise StateError(f"state key {where!r} is on the meta device and has no data to save", key=path)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) not in _PLAIN_TENSORS:
             raise StateError(
                 f"state key {where!r} is a tensor subclass {type(t).__name__}; save a plain tensor (e.g. .full_tensor())",
                 key=path,
             )
-        if not _dtypes.is_supported(t.dtype):
-            raise StateError(f"state key {where!r} has dtype {t.dtype}, which mpckpt cannot store", key=path)
-        t = t.detach()
-        row = len(self.table)
-        self.table.append({})
-        if t.numel() == 0 or t.untyped_storage().data_ptr() == 0:
-            self.table[row] = {"leaf": self.add_leaf(t, path)}
-        else:
-            skey = (t.device, t.untyped_storage().data_ptr())
-            self.by_storage.setdefault(skey, []).append((row, t, path))
-        return {TAG: "tensor", "id": row}
+        raise StateError(f"state key {where!r} has dtype {t.dtype}, which mpckpt cannot store", key=path)
 
     def add_leaf(self, t: torch.Tensor, path: str, *, raw: bool = False) -> int:
         name = path or "tensor"
@@ -190,6 +197,9 @@ class _Flattener:
         """Turn the storage groups into leaves: one per view, or one byte base per storage."""
         for group in self.by_storage.values():
             first_row, first, path = group[0]
+            if len(group) == 1:
+                self.table[first_row] = {"leaf": self.add_leaf(first, path)}
+                continue
             sig = _view_signature(first)
             if all(_view_signature(t) == sig for _, t, _ in group):
                 leaf = self.add_leaf(first, path)
@@ -231,7 +241,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     f.resolve_shared()
     frozen = frozenset(i for i, leaf in enumerate(f.leaves)
                        if f.frozen_ptrs and not leaf.raw and leaf.source.numel() and leaf.source.data_ptr() in f.frozen_ptrs)
-    return FlatState(tree, f.leaves, f.table, frozen)
+    on_cuda = any(leaf.source.is_cuda for leaf in f.leaves) if torch.cuda.is_available() else False
+    return FlatState(tree, f.leaves, f.table, frozen, on_cuda)
 
 
 # -- the way back ----------------------------------------------------------------------------
