@@ -164,7 +164,7 @@ class _Flattener:
             self.table[row] = {"leaf": self.add_leaf(t, path)}
         else:
             base = t.data_ptr() - t.storage_offset() * t.element_size()
-            self.by_storage.setdefault((t.get_device(), base), []).append((row, t, path))
+            self.by_storage.setdefault((t.get_device(), int(base)), []).append((row, t, path))
         return {TAG: "tensor", "id": row}
 
     def reject(self, t: torch.Tensor, path: str) -> None:
@@ -209,7 +209,7 @@ class _Flattener:
             lo = min(t.storage_offset() * t.element_size() for _, t, _ in group)
             hi = max(_end_byte(t) for _, t, _ in group)
             base = torch.empty(0, dtype=torch.uint8, device=first.device)
-            base.set_(first.untyped_storage(), lo, (hi - lo,))
+            base.set_(first.untyped_storage(), int(lo), (int(hi - lo),), (1,))
             leaf = self.add_leaf(base, f"{path}@storage", raw=True)
             for row, t, _ in group:
                 self.table[row] = {
@@ -227,9 +227,9 @@ def _view_signature(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _end_byte(t: torch.Tensor) -> int:
     if t.numel() == 0:
-        return t.storage_offset() * t.element_size()
+        return int(t.storage_offset() * t.element_size())
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + last + 1) * t.element_size()
+    return int((t.storage_offset() + last + 1) * t.element_size())
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:

@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from mpckpt._shm import Segment
+from mpckpt.errors import add_note
 from mpckpt.storage import BackendSpec, open_backend
 
 _HASH_CHUNK = 64 << 20
@@ -73,7 +74,7 @@ class RemoteFailure:
     def rebuild(self) -> BaseException:
         exc = self.exc if self.exc is not None else RuntimeError(f"{self.type_name}: {self.message}")
         exc.__traceback__ = None
-        exc.add_note(f"raised in an mpckpt uploader process:\n{self.remote_traceback.rstrip()}")
+        add_note(exc, f"raised in an mpckpt uploader process:\n{self.remote_traceback.rstrip()}")
         return exc
 
 

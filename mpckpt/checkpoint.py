@@ -66,7 +66,7 @@ class Checkpoint:
             target = os.path.join(dest, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
-                f.write(memoryview(data.numpy()))
+                f.write(data.numpy().data)
         return dest
 
     @contextlib.contextmanager
@@ -76,8 +76,9 @@ class Checkpoint:
             yield self.path
             return
         backend, name, _ = self._stored
-        if getattr(backend, "root", None) and os.path.isdir(os.path.join(backend.root, name)):  # local: no copy
-            yield os.path.join(backend.root, name)
+        local_root = getattr(backend, "root", None)
+        if local_root and os.path.isdir(os.path.join(local_root, name)):  # local disk: no copy
+            yield os.path.join(local_root, name)
             return
         dest = tempfile.mkdtemp(prefix="mpckpt-")
         try:

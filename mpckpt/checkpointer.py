@@ -40,6 +40,7 @@ from mpckpt.errors import (
     CorruptCheckpointError,
     MpckptError,
     StepOrderError,
+    add_note,
 )
 from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
 from mpckpt.restore import apply_state, load_checkpoint
@@ -130,7 +131,7 @@ class Checkpointer:
         try:
             self.close()
         except BaseException as e:  # keep the body's exception; mention ours on it
-            exc.add_note(f"mpckpt: while closing after this error: {type(e).__name__}: {e}")
+            add_note(exc, f"mpckpt: while closing after this error: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         """Wait for every pending upload, stop the uploaders, free shared memory; raise failures."""
@@ -318,7 +319,7 @@ class Checkpointer:
         if errors:
             first = errors[0]
             for other in errors[1:]:
-                first.add_note(f"also failed: {other}")
+                add_note(first, f"also failed: {other}")
             raise first
 
     def _check_step(self, step: Any) -> int:

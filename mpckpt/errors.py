@@ -26,6 +26,14 @@ the remote traceback attached as a note.
 from __future__ import annotations
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (where tracebacks will not print it)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
 class MpckptError(Exception):
     """Base class of every error mpckpt raises on purpose."""
 

@@ -52,7 +52,7 @@ def read_verified(backend: Backend, name: str, manifest: Manifest, relpath: str,
             f"{location}: {size} bytes on storage, the manifest says {entry.size}; the file is damaged", path=location
         )
     buf = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buf.numpy()).cast("B")
+    view = buf.numpy().data.cast("B")
 
     def read(start: int) -> None:
         part = view[start:start + _READ_CHUNK]

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/ruff check mpckpt tests examples scripts
+.venv/bin/python -m mypy mpckpt
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

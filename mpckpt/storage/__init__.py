@@ -12,6 +12,7 @@ their start method.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mpckpt.errors import ConfigError
@@ -31,10 +32,8 @@ def register_backend(scheme: str, factory: str) -> None:
     _REGISTERED[scheme.lower()] = factory
 
 
-def spec_for_url(url: str, options: dict[str, Any] | None = None) -> BackendSpec:
+def spec_for_url(url: str | os.PathLike[str], options: dict[str, Any] | None = None) -> BackendSpec:
     """Split a root URL into the backend spec that serves it."""
-    import os
-
     if not isinstance(url, (str, os.PathLike)):
         raise ConfigError(f"checkpoint root must be a path or URL string, got {type(url).__name__}")
     url = os.fspath(url)
