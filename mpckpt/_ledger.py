@@ -100,7 +100,8 @@ class Ledger:
     """In-order commits of the pending checkpoints of one checkpointer."""
 
     def __init__(self, backend: Backend, committed: dict[int, Manifest], *,
-                 on_committed: Callable[[Pending, Manifest], None] | None = None) -> None:
+                 on_committed: Callable[[Pending, Manifest], None] | None = None,
+                 taken_steps: set[int] | None = None) -> None:
         self.backend = backend
         self.committed = dict(committed)
         self._pending: dict[int, Pending] = {}
@@ -109,7 +110,8 @@ class Ledger:
         self._cond = threading.Condition()
         self._stopping = False
         self._on_committed = on_committed
-        self.last_step: int | None = max(committed, default=None)
+        # steps may only increase past everything on storage, damaged checkpoints included
+        self.last_step: int | None = max([*committed, *(taken_steps or ())], default=None)
         self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
         self._thread.start()
 

@@ -86,6 +86,7 @@ class _Flattener:
         self.by_storage: dict[tuple[int, int], list[tuple[int, torch.Tensor, str]]] = {}
         self.active: set[int] = set()
         self.frozen_ptrs: set[int] = set()
+        self.rows_by_object: dict[int, int] = {}
 
     def visit(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
@@ -155,10 +156,14 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # Hot path (one call per tensor per save): cheap checks only, no detach, no storage
         # object; the precise error message is built only when a check fails.
+        seen = self.rows_by_object.get(id(t))
+        if seen is not None:  # the same tensor object again: one table row, one object on load
+            return {TAG: "tensor", "id": seen}
         if (type(t) not in _PLAIN_TENSORS or t.layout is not torch.strided or t.is_nested or t.is_meta
                 or not _dtypes.is_supported(t.dtype)):
             self.reject(t, path)
         row = len(self.table)
+        self.rows_by_object[id(t)] = row  # ids are stable: the state holds every tensor meanwhile
         self.table.append({})
         if t.numel() == 0:
             self.table[row] = {"leaf": self.add_leaf(t, path)}
@@ -250,12 +255,18 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
 def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape)."""
     out = []
+    aligned: dict[int, torch.Tensor] = {}  # bases copied to aligned memory, shared by their views
     for i, row in enumerate(table):
         if "leaf" in row:
             out.append(leaves[row["leaf"]])
             continue
         try:
-            base = leaves[row["view_of"]]
+            base = aligned.get(row["view_of"])
+            if base is None:
+                base = leaves[row["view_of"]]
+                if base.storage_offset() % 16:  # the byte base sits unaligned in its shard
+                    base = base.clone()
+                aligned[row["view_of"]] = base
             dtype = _dtypes.dtype_from_name(row["dtype"])
             itemsize = torch.empty((), dtype=dtype).element_size()
             offset = row["byte_offset"]

@@ -83,7 +83,11 @@ class Checkpointer:
         try:
             _shm.reap_orphans()
             self.backend.cleanup_incomplete()
-            self.ledger = Ledger(self.backend, scan(self.backend, clean=True), on_committed=self._after_commit)
+            # checkpoints whose manifest does not verify: never deleted, never saved over
+            self._damaged: dict[int, Exception] = {}
+            committed = scan(self.backend, clean=True, problems=self._damaged)
+            self.ledger = Ledger(self.backend, committed, on_committed=self._after_commit,
+                                 taken_steps=set(self._damaged))
             self.arena = Arena(self.config.memory_budget_bytes, pin=_cuda_available())
             self.pool = UploaderPool(self._spec, workers=self.config.workers, start_method=self.config.start_method,
                                      nice=self.config.nice, max_attempts=self.config.max_job_attempts,
@@ -202,6 +206,7 @@ class Checkpointer:
             if first is not None:
                 self.arena.release(first)
             self.ledger.resolve(record, "failed", e)
+            self.ledger.all_submitted(record)
             raise
         record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
         reuse = self._saver.reuse_unchanged(record, flat, layout)
@@ -411,10 +416,12 @@ class Checkpointer:
         Also warms shared memory for saving ``state``.
         """
         self._check_usable()
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        candidates = [step] if step is not None else sorted({*self.steps(), *self._damaged}, reverse=True)
         restored = None
         for candidate in candidates:
             try:
+                if candidate in self._damaged:
+                    raise self._damaged[candidate]
                 loaded = self.load(candidate)
             except CorruptCheckpointError as e:
                 if not fallback or step is not None:

@@ -22,7 +22,7 @@ import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._snapshot import build_tensors, unflatten
-from mpckpt.errors import ConfigError, CorruptCheckpointError, StateError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import SKELETON_NAME, Manifest
 from mpckpt.format.safetensors import parse_header
 from mpckpt.storage import Backend
@@ -46,7 +46,10 @@ def read_verified(backend: Backend, name: str, manifest: Manifest, relpath: str,
     """A whole file of a checkpoint as a uint8 tensor, after checking its size and checksum."""
     entry = manifest.files[relpath]
     location = manifest.location(name, relpath)
-    size = backend.size(location)
+    try:
+        size = backend.size(location)
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(f"{location}: listed in the manifest but missing from storage", path=location) from e
     if size != entry.size:
         raise CorruptCheckpointError(
             f"{location}: {size} bytes on storage, the manifest says {entry.size}; the file is damaged", path=location
