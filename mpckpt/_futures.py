@@ -96,6 +96,10 @@ class SaveFuture:
                 self.stats.status = "failed"
                 self._future.set_exception(exc)
 
+    def _mark_seen(self) -> None:
+        """The caller already got this save's error synchronously."""
+        self._observed = True
+
     def _unseen_exception(self) -> BaseException | None:
         """The failure, once, if the caller never looked at it."""
         if not self._future.done() or self._observed:

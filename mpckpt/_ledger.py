@@ -100,7 +100,7 @@ class Ledger:
     """In-order commits of the pending checkpoints of one checkpointer."""
 
     def __init__(self, backend: Backend, committed: dict[int, Manifest], *,
-                 on_committed: Callable[[Pending, Manifest], None] | None = None,
+                 on_committed: Callable[[Pending, Manifest], Callable[[], None] | None] | None = None,
                  taken_steps: set[int] | None = None) -> None:
         self.backend = backend
         self.committed = dict(committed)
@@ -218,9 +218,15 @@ class Ledger:
                 record.future.stats.persist_ms = (time.perf_counter() - record.snapshot_done_at) * 1e3
                 for fn in record.after_commit:
                     _run_quietly(fn, record)
+                cleanup = None
                 if self._on_committed is not None:
-                    _run_quietly(lambda: self._on_committed(record, manifest), record)  # type: ignore[misc]
+                    try:
+                        cleanup = self._on_committed(record, manifest)
+                    except Exception as e:  # the commit stands; retention failing must not stop commits
+                        log.warning("mpckpt: retention after step %d failed: %s", record.step, e)
                 record.future._resolve(record.name)
+                if cleanup is not None:  # deletions run after the caller has its answer
+                    _run_quietly(cleanup, record)
                 return
         if record.outcome == "failed":
             if record.staging is not None:

@@ -44,6 +44,7 @@ class Job:
     on_done: DoneCallback
     tag: Any = None                 # the checkpoint it belongs to (for cancel)
     step: int | None = None
+    timeout_s: float | None = None  # a worker still on it after this long is killed, the job retried
     attempts: int = 0
     id: int = field(default=0)
 
@@ -93,6 +94,8 @@ class _Slot:
         self.process = process
         self.conn = conn
         self.job: Job | None = None
+        self.started = 0.0
+        self.overdue = False
 
 
 class UploaderPool:
@@ -126,8 +129,8 @@ class UploaderPool:
             proc = _ThreadWorker(worker_main, (child, self.spec, self.nice, True))
             proc.start()
         else:
-            proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice), daemon=True,
-                                     name="mpckpt-uploader")
+            proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice, False, os.getpid()),
+                                     daemon=True, name="mpckpt-uploader")
             proc.start()
             child.close()
         return _Slot(proc, parent)
@@ -184,10 +187,12 @@ class UploaderPool:
                 pass
 
     # -- jobs -----------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        job.id = next(self._ids)
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (one wake-up of the dispatcher for all of them)."""
+        for job in jobs:
+            job.id = next(self._ids)
         with self._lock:
-            self._pending.append(job)
+            self._pending.extend(jobs)
         self._wake()
 
     def cancel(self, tag: Any) -> bool:
@@ -239,6 +244,20 @@ class UploaderPool:
             for slot in list(self._slots):
                 if slot.conn in ready or slot.process.sentinel in ready:
                     self._service(slot)
+            self._kill_overdue()
+
+    def _kill_overdue(self) -> None:
+        """A job past its deadline means a hung storage call: kill that worker (then retried)."""
+        if self.in_process:
+            return  # threads cannot be killed; their storage calls carry their own timeouts
+        now = time.monotonic()
+        with self._lock:
+            for slot in self._slots:
+                job = slot.job
+                if job is not None and job.timeout_s is not None and not slot.overdue \
+                        and now - slot.started > job.timeout_s:
+                    slot.overdue = True
+                    slot.process.kill()
 
     def _dispatch(self) -> None:
         with self._lock:
@@ -247,6 +266,7 @@ class UploaderPool:
                     job = self._pending.popleft()
                     job.attempts += 1
                     slot.job = job
+                    slot.started = time.monotonic()
                     try:
                         slot.conn.send((job.kind, job.id, job.payload))
                     except (OSError, ValueError):
@@ -276,6 +296,9 @@ class UploaderPool:
 
     def _replace(self, slot: _Slot) -> None:
         code = slot.process.exitcode
+        cause = (f"was stopped after exceeding its deadline of {slot.job.timeout_s:.0f}s"
+                 if slot.overdue and slot.job is not None and slot.job.timeout_s is not None
+                 else f"died (exit code {code})")
         slot.process.join(1)
         slot.conn.close()
         with self._lock:
@@ -295,7 +318,7 @@ class UploaderPool:
             return
         what = job.payload.relpath
         err = UploadError(
-            f"step {job.step}: uploader process died (exit code {code}) while writing {what}; "
+            f"step {job.step}: uploader process {cause} while writing {what}; "
             f"tried {job.attempts} time(s)",
             step=job.step, shard=what,
         )

@@ -128,18 +128,14 @@ class Snapshotter:
 
     def snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None,
                         reuse: _Reuse) -> None:
+        """Copy every wave now (the caller settles the record if this raises)."""
         snap_start = time.perf_counter()
-        try:
-            for index in range(len(layout.waves)):
-                slab = first if index == 0 else self.arena.acquire(layout.waves[index].nbytes,
-                                                                   timeout_s=self.config.timeout_s)
-                assert slab is not None
-                copy_wave(flat, layout, index, slab, only=reuse.needs_copy)
-                self._submit_wave(record, layout, index, slab, reuse)
-        except BaseException as e:
-            self.ledger.resolve(record, "failed", e)
-            self.ledger.all_submitted(record)
-            raise
+        for index in range(len(layout.waves)):
+            slab = first if index == 0 else self.arena.acquire(layout.waves[index].nbytes,
+                                                               timeout_s=self.config.timeout_s)
+            assert slab is not None
+            copy_wave(flat, layout, index, slab, only=reuse.needs_copy)
+            self._submit_wave(record, layout, index, slab, reuse)
         self.ledger.all_submitted(record)
         record.snapshot_done_at = time.perf_counter()
         record.future.stats.snapshot_ms = (record.snapshot_done_at - snap_start) * 1e3
@@ -205,10 +201,11 @@ class Snapshotter:
                     record.slabs.remove(slab)
                 self.arena.release(slab)
 
-        for shard in shards:
-            payload = WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
-                               shard.offset, shard.nbytes, shard.header)
-            self.pool.submit(Job("write", payload, done, tag=record.seq, step=record.step))
+        self.pool.submit(*(
+            Job("write", WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
+                                  shard.offset, shard.nbytes, shard.header), done, tag=record.seq, step=record.step,
+                timeout_s=self.config.job_deadline_s(shard.nbytes))
+            for shard in shards))
 
     def submit_upload(self, record: Pending, folder: str, files: list[str]) -> None:
         assert self.pool is not None
@@ -229,7 +226,9 @@ class Snapshotter:
 
         for rel in files:
             payload = UploadJob(f"{record.staging}/{rel}", os.path.join(folder, rel))
-            self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step))
+            size = os.path.getsize(payload.local_path)
+            self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step,
+                                 timeout_s=self.config.job_deadline_s(size)))
 
     def adopt_directory(self, record: Pending, folder: str, files: list[str]) -> None:
         from mpckpt.format.manifest import checksum

@@ -78,6 +78,24 @@ class RemoteFailure:
         return exc
 
 
+def _run_below_training(nice: int) -> None:
+    """Yield the CPU to training: SCHED_IDLE where Linux offers it, and a nice value anyway.
+
+    SCHED_IDLE runs the uploader only on cycles nothing else wants, so on a busy box the
+    uploads take longer (the memory budget then applies back-pressure) instead of slowing
+    the training steps.
+    """
+    try:
+        os.nice(nice)
+    except OSError:
+        pass
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -131,15 +149,22 @@ class _Worker:
         return {"size": size, "checksum": digest.hexdigest(), "seconds": time.perf_counter() - started}
 
 
-def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False, trainer_pid: int = 0) -> None:
     """Entry point of an uploader process (or thread, for storage that lives in this process)."""
     if not in_thread:
         _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
+        _run_below_training(nice)
     try:
         worker: _Worker | None = _Worker(spec)
         startup_error = None
@@ -151,8 +176,8 @@ def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False
         except (EOFError, OSError):
             return
         kind = msg[0]
-        if kind == "stop":
-            return
+        if kind == "stop" or (trainer_pid and not _alive(trainer_pid)):
+            return  # with forkserver our parent is the server, so also watch the trainer itself
         job_id = msg[1]
         if startup_error is not None:
             conn.send(("err", job_id, startup_error))

@@ -21,7 +21,7 @@ import shutil
 import socket
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpckpt import _shm
@@ -64,13 +64,14 @@ class Checkpointer:
         keep_last: int | None = None,
         allow_pickle: bool = False,
         timeout_s: float | None = None,
+        job_timeout_s: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
         start_method: str | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
-            allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s,
+            allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
         self._closed = True
@@ -201,27 +202,28 @@ class Checkpointer:
         record = self.ledger.open(step, "state", future, metrics)
         self._futures.append(future)
         try:
-            record.staging = self.backend.stage(record.name)
+            try:
+                record.staging = self.backend.stage(record.name)
+            except BaseException:
+                if first is not None:
+                    self.arena.release(first)
+                raise
+            record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
+            reuse = self._saver.reuse_unchanged(record, flat, layout)
+            stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
+                                      if s.filename not in reuse.files)
+            overlap = self.config.overlap if overlap is None else bool(overlap)
+            if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
+                self._saver.snapshot_overlapped(record, state, flat, layout, first, reuse)
+            else:
+                self._saver.snapshot_eager(record, flat, layout, first, reuse)
         except BaseException as e:
-            if first is not None:
-                self.arena.release(first)
+            # the record must settle so later commits are not held up, and the caller sees
+            # this error here, once: it is not raised again at the next save/wait/exit
             self.ledger.resolve(record, "failed", e)
             self.ledger.all_submitted(record)
+            future._mark_seen()
             raise
-        record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
-        reuse = self._saver.reuse_unchanged(record, flat, layout)
-        stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
-                                  if s.filename not in reuse.files)
-        overlap = self.config.overlap if overlap is None else bool(overlap)
-        if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
-            try:
-                self._saver.snapshot_overlapped(record, state, flat, layout, first, reuse)
-            except BaseException as e:
-                self.ledger.resolve(record, "failed", e)
-                self.ledger.all_submitted(record)
-                raise
-        else:
-            self._saver.snapshot_eager(record, flat, layout, first, reuse)
         if mode is UploadMode.SYNC:
             future.result(self.config.timeout_s)
         stats.blocked_ms = (time.perf_counter() - started) * 1e3
@@ -341,21 +343,28 @@ class Checkpointer:
             )
         return step
 
-    def _after_commit(self, record: Pending, manifest: Manifest) -> None:
+    def _after_commit(self, record: Pending, manifest: Manifest) -> Callable[[], None] | None:
+        """Apply retention: forget doomed checkpoints now, return the deletion to run later."""
         keep = self.config.keep_last
         if keep is None:
-            return
+            return None
         from mpckpt.retention import keep_last_n
 
-        committed = sorted(self.ledger.committed.items())
-        referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
-        for (step, _), keep_it in zip(committed, keep_last_n(committed, keep), strict=True):
-            if not keep_it and checkpoint_name(step) not in referenced:
-                gone = checkpoint_name(step)
-                self._saver.forget_folder(gone)
-                self.backend.delete(gone)
-                with self.ledger.lock:
-                    self.ledger.committed.pop(step, None)
+        with self.ledger.lock:
+            committed = sorted(self.ledger.committed.items())
+            referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
+            doomed = [checkpoint_name(step) for (step, _), keep_it in
+                      zip(committed, keep_last_n(committed, keep), strict=True)
+                      if not keep_it and checkpoint_name(step) not in referenced]
+            for name in doomed:
+                self._saver.forget_folder(name)
+                self.ledger.committed.pop(int(name.removeprefix("step_")), None)
+
+        def delete() -> None:
+            for name in doomed:
+                self.backend.delete(name)
+
+        return delete if doomed else None
 
     # -- warming ----------------------------------------------------------------------------------
     def prepare(self, state: Any) -> int:

@@ -165,8 +165,13 @@ class Config:
     keep_last: int | None = None
     timeout_s: float = 3600.0
     max_job_attempts: int = 3
-    start_method: str = "fork"
+    start_method: str = "forkserver"
     nice: int = 10
+    job_timeout_s: float = 300.0
+
+    def job_deadline_s(self, nbytes: int) -> float:
+        """How long one file may take: ``job_timeout_s`` plus a second per MB (1 MB/s floor)."""
+        return self.job_timeout_s + nbytes / 1e6
 
     @classmethod
     def resolve(
@@ -179,6 +184,7 @@ class Config:
         allow_pickle: bool = False,
         keep_last: Any = None,
         timeout_s: Any = None,
+        job_timeout_s: Any = None,
         start_method: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
@@ -205,8 +211,10 @@ class Config:
         use_overlap = False if raw is None else _parse_bool(raw, setting=name)
         raw, name = pick(timeout_s, "MPCKPT_TIMEOUT_S")
         timeout = 3600.0 if raw in (None, "") else _parse_float(raw, setting=name)
+        raw, name = pick(job_timeout_s, "MPCKPT_JOB_TIMEOUT_S")
+        job_timeout = 300.0 if raw in (None, "") else _parse_float(raw, setting=name)
         raw, name = pick(start_method, "MPCKPT_START_METHOD")
-        method = "fork" if raw in (None, "") else str(raw)
+        method = "forkserver" if raw in (None, "") else str(raw)
         if method not in ("fork", "spawn", "forkserver"):
             raise ConfigError(f"{name}={raw!r} is not one of 'fork', 'spawn', 'forkserver'")
         keep = None
@@ -220,5 +228,6 @@ class Config:
             allow_pickle=bool(allow_pickle),
             keep_last=keep,
             timeout_s=timeout,
+            job_timeout_s=job_timeout,
             start_method=method,
         )

@@ -359,7 +359,8 @@ class AzureBlobBackend:
     def stage(self, name: str) -> str:
         if self.exists(f"{name}/{MANIFEST_NAME}"):
             raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
-        self._delete_names(self._blob_names(name))  # leftovers of a failed earlier attempt
+        # One request only: stage runs inside save(). Leftovers of a failed attempt are removed
+        # by abort() and, after a crash, by the recovery scan at the next open.
         return name
 
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:

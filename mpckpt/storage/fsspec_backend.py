@@ -275,11 +275,10 @@ class FsspecBackend:
 
     # -- writing ------------------------------------------------------------------------
     def stage(self, name: str) -> str:
-        prefix = self._path(name)
         if self.exists(f"{name}/{MANIFEST_NAME}"):
             raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
-        # Leftovers of a failed earlier attempt would otherwise mix with the new files.
-        self._call(f"clear leftovers under {self._show(name)}", lambda: self._rm_quiet(prefix, recursive=True))
+        # One request only: stage runs inside save(). Leftovers of a failed attempt are removed
+        # by abort() and, after a crash, by the recovery scan at the next open.
         return name
 
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:

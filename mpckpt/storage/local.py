@@ -105,6 +105,17 @@ class LocalBackend:
         os.pwrite(fd, owner.encode(), 0)
         return _FlockLock(fd)
 
+    def _make_parents(self, relpath: str) -> None:
+        """Create the folders a file needs, but never bring back a removed staging folder.
+
+        INVARIANT: a staging folder removed by cleanup stays removed: a straggling writer (an
+        uploader of a crashed trainer) gets an error instead of bringing the folder back.
+        """
+        top = check_relpath(relpath).split("/", 1)[0]
+        if top.startswith(STAGING_PREFIX) and not os.path.isdir(os.path.join(self.root, top)):
+            raise StorageError(f"{os.path.join(self.root, top)} no longer exists (the checkpoint was aborted or cleaned up)")
+        os.makedirs(os.path.dirname(self._abs(relpath)), exist_ok=True)
+
     # -- writing ------------------------------------------------------------------------
     def stage(self, name: str) -> str:
         check_relpath(name)
@@ -120,7 +131,7 @@ class LocalBackend:
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
         path = self._abs(relpath)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._make_parents(relpath)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise _storage_error(e, f"cannot create {path}") from e
@@ -138,8 +149,8 @@ class LocalBackend:
 
     def upload_file(self, relpath: str, local_path: str) -> None:
         path = self._abs(relpath)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
+            self._make_parents(relpath)
             with open(local_path, "rb") as src, open(path, "wb") as dst:
                 shutil.copyfileobj(src, dst, 16 << 20)
                 dst.flush()

@@ -102,9 +102,11 @@ class BackendContract:
         assert backend.exists(f"step-1/{MANIFEST_NAME}")
 
     def test_leftovers_of_a_failed_attempt_do_not_survive_a_commit(self, backend: Backend) -> None:
-        backend.write_file("step-1/junk-from-crashed-attempt", [b"junk"])
+        failed = backend.stage("step-1")
+        backend.write_file(f"{failed}/junk-from-failed-attempt", [b"junk"])
+        backend.abort(failed)  # what the ledger does when an attempt fails
         put_checkpoint(backend, "step-1")
-        assert not backend.exists("step-1/junk-from-crashed-attempt")
+        assert not backend.exists("step-1/junk-from-failed-attempt")
         assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
 
     def test_stage_refuses_a_committed_name(self, backend: Backend) -> None:
