@@ -4,7 +4,11 @@ A slab is a named shared-memory segment, touched once when it is created (so no 
 is ever paid inside ``save``) and viewed as a flat uint8 tensor. A save takes one free slab
 per wave, copies into it, and gives it back once the uploaders have written that wave.
 
-INVARIANT: the bytes of all slabs that exist never exceed ``budget_bytes``. When a request
+When a save takes the last free slab, ``ensure_spare`` creates and touches one more of the
+same size in a background thread (budget permitting), so the next save, which usually comes
+while this one is still uploading, finds a warm slab instead of paying for page faults.
+
+INVARIANT: the bytes of all slabs that exist (or are being created) never exceed ``budget_bytes``. When a request
 does not fit, free slabs that are too small are unlinked to make room; if the budget is
 still full the caller's policy decides (``acquire`` waits with a timeout, ``try_acquire``
 returns None at once). So the shared memory mpckpt uses — measured from the outside as the
@@ -52,13 +56,14 @@ class Arena:
         self.budget_bytes = budget_bytes
         self.pin = pin
         self._slabs: list[Slab] = []
+        self._creating = 0  # bytes of a spare slab being made in the background
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.closed = False
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.capacity for s in self._slabs)
+        return sum(s.capacity for s in self._slabs) + self._creating
 
     def _fits(self, nbytes: int) -> Slab | None:
         free = [s for s in self._slabs if not s.in_use and s.capacity >= nbytes]
@@ -82,13 +87,42 @@ class Arena:
         return slab
 
     def _create(self, size: int) -> Slab:
+        slab = self._make(size)
+        self._slabs.append(slab)
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return slab
+
+    def _make(self, size: int) -> Slab:
         slab = Slab(Segment.create(size))
         slab.tensor.zero_()  # touch every page now, not during a save
         if self.pin and torch.cuda.is_available():
             slab.pinned = _pin(slab.tensor)
-        self._slabs.append(slab)
-        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return slab
+
+    def ensure_spare(self, nbytes: int) -> None:
+        """Start making a free slab of ``nbytes`` in the background if none is free and it fits."""
+        with self._cond:
+            if self.closed or self._creating or self._fits(nbytes) is not None:
+                return
+            size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)
+            if size < nbytes or self.allocated_bytes + size > self.budget_bytes:
+                return
+            self._creating = size
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        threading.Thread(target=self._make_spare, args=(size,), name="mpckpt-spare-slab", daemon=True).start()
+
+    def _make_spare(self, size: int) -> None:
+        try:
+            slab: Slab | None = self._make(size)
+        except (OSError, RuntimeError):
+            slab = None  # no room in /dev/shm right now: a later save will wait or stream instead
+        with self._cond:
+            self._creating = 0
+            if slab is not None:
+                self._slabs.append(slab)
+                if self.closed:
+                    self._drop(slab)
+            self._cond.notify_all()
 
     def _drop(self, slab: Slab) -> None:
         self._slabs.remove(slab)
@@ -108,8 +142,13 @@ class Arena:
                     slab.in_use = False
 
     def try_acquire(self, nbytes: int) -> Slab | None:
+        """A slab now, or None if the budget is full (a spare being made is waited for)."""
         with self._cond:
-            return self._take(nbytes)
+            slab = self._take(nbytes)
+            while slab is None and self._creating:
+                self._cond.wait(1.0)
+                slab = self._take(nbytes)
+            return slab
 
     def acquire(self, nbytes: int, *, timeout_s: float, on_wait: Callable[[], None] | None = None) -> Slab:
         """A slab of at least ``nbytes``, waiting up to ``timeout_s`` for uploads to free one."""
@@ -140,6 +179,8 @@ class Arena:
         """Unlink every slab (those still in use are unlinked as soon as they are released)."""
         with self._cond:
             self.closed = True
+            while self._creating:  # a spare being made: let it finish, then drop it
+                self._cond.wait(1.0)
             for slab in [s for s in self._slabs if not s.in_use]:
                 self._drop(slab)
             self._cond.notify_all()

@@ -147,10 +147,15 @@ class UploaderPool:
                 raise WaitTimeoutError(f"uploader process {slot.process.pid} did not start within {timeout_s:.0f}s")
             try:
                 status, _, payload = slot.conn.recv()
-            except EOFError as e:
+            except (EOFError, OSError) as e:
+                slot.process.join(1)
                 code = slot.process.exitcode
                 self.close(timeout_s=5)
-                raise UploadError(f"uploader process died while starting (exit code {code})") from e
+                raise UploadError(
+                    f"uploader process died while starting (exit code {code}). With start method "
+                    f"'{self._ctx.get_start_method()}' it imports your main script first: keep the training code "
+                    "under `if __name__ == \"__main__\":`, or set MPCKPT_START_METHOD=fork"
+                ) from e
             if status == "err":
                 self.close(timeout_s=5)
                 raise payload.rebuild()
@@ -196,9 +201,12 @@ class UploaderPool:
         self._wake()
 
     def cancel(self, tag: Any) -> bool:
-        """Drop the queued jobs of ``tag`` if none of them has started; True if dropped."""
+        """Drop the queued jobs of ``tag`` if none has started and all workers are busy.
+
+        With a worker idle the job is about to start: it is not waiting in a queue.
+        """
         with self._lock:
-            if any(s.job is not None and s.job.tag == tag for s in self._slots):
+            if any(s.job is None or s.job.tag == tag for s in self._slots):
                 return False
             self._pending = collections.deque(j for j in self._pending if j.tag != tag)
             return True

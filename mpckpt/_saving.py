@@ -75,6 +75,8 @@ class Snapshotter:
         need = layout.waves[0].nbytes
         slab = self.arena.try_acquire(need)
         if slab is not None:
+            if len(layout.waves) == 1:
+                self.arena.ensure_spare(need)  # for the next save, while this one uploads
             return slab
         policy = self.config.policy
         if policy is BudgetPolicy.SKIP:
