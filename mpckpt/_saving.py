@@ -186,38 +186,28 @@ class Snapshotter:
         with self.ledger.lock:
             record.jobs_left += len(shards)
 
-        def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
-            rel = job.payload.relpath.rsplit("/", 1)[-1]
-            if error is not None:
-                err = UploadError(f"step {record.step}: writing shard {rel} failed: {type(error).__name__}: {error}",
-                                  step=record.step, shard=rel)
-                err.__cause__ = error
-                self.ledger.resolve(record, "failed", err)
-                self.ledger.file_failed(record)
-            else:
-                assert result is not None
-                self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
+        def wave_done() -> None:  # the slab is free once every shard of the wave is written
             left["jobs"] -= 1
             if left["jobs"] == 0:
                 if slab in record.slabs:
                     record.slabs.remove(slab)
                 self.arena.release(slab)
 
+        done = self._file_done(record, "writing shard", then=wave_done)
         self.pool.submit(*(
             Job("write", WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
                                   shard.offset, shard.nbytes, shard.header), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards))
 
-    def submit_upload(self, record: Pending, folder: str, files: list[str]) -> None:
-        assert self.pool is not None
-        with self.ledger.lock:
-            record.jobs_left += len(files)
+    def _file_done(self, record: Pending, doing: str, *,
+                   then: Callable[[], None] | None = None) -> Callable[[Job, dict[str, Any] | None, BaseException | None], None]:
+        """The pool callback for one file of ``record``: record its entry or the failure."""
 
         def done(job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
             rel = job.payload.relpath[len(record.staging or "") + 1:]
             if error is not None:
-                err = UploadError(f"step {record.step}: uploading {rel} failed: {type(error).__name__}: {error}",
+                err = UploadError(f"step {record.step}: {doing} {rel} failed: {type(error).__name__}: {error}",
                                   step=record.step, shard=rel)
                 err.__cause__ = error
                 self.ledger.resolve(record, "failed", err)
@@ -225,7 +215,16 @@ class Snapshotter:
             else:
                 assert result is not None
                 self.ledger.file_done(record, rel, FileEntry(result["size"], result["checksum"]))
+            if then is not None:
+                then()
 
+        return done
+
+    def submit_upload(self, record: Pending, folder: str, files: list[str]) -> None:
+        assert self.pool is not None
+        with self.ledger.lock:
+            record.jobs_left += len(files)
+        done = self._file_done(record, "uploading")
         for rel in files:
             payload = UploadJob(f"{record.staging}/{rel}", os.path.join(folder, rel))
             size = os.path.getsize(payload.local_path)
