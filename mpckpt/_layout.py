@@ -26,7 +26,7 @@ from typing import Any
 from mpckpt.format.safetensors import ITEMSIZE, HeaderEntry, build_header
 
 _LAYOUT_IDS = itertools.count()
-SHARD_ALIGN = 64
+SHARD_ALIGN = 4096  # shard data starts on a page in the slab and on a block in the file (direct I/O)
 MIN_WAVE_BYTES = 1 << 20
 
 
@@ -156,7 +156,7 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_pref
             shard.nbytes = pos
             shard.header = build_header(
                 [HeaderEntry(p.key, p.code, p.shape, p.offset - offset, p.offset - offset + p.nbytes) for p in shard.pieces],
-                {"format": "pt", "producer": "mpckpt"},
+                {"format": "pt", "producer": "mpckpt"}, align=SHARD_ALIGN,
             )
             for p in shard.pieces:
                 start, end = p.chunk if p.chunk else (0, -1)

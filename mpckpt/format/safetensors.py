@@ -41,15 +41,20 @@ class HeaderEntry:
         return self.end - self.start
 
 
-def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length plus the padded JSON header for ``entries`` (in data order)."""
+def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None, *, align: int = 8) -> bytes:
+    """The 8-byte length plus the JSON header for ``entries`` (in data order).
+
+    The JSON is padded with spaces so the whole header is a multiple of ``align`` bytes
+    (a multiple of 8); mpckpt uses 4096 so the tensor data starts on a disk block, which lets
+    the local backend write it with direct I/O.
+    """
     doc: dict[str, object] = {}
     if metadata:
         doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.start, e.end]}
     text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(len(text) + 8) % align)
     return struct.pack("<Q", len(text)) + text
 
 
