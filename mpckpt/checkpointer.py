@@ -15,6 +15,7 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import shutil
@@ -178,6 +179,18 @@ class Checkpointer:
         optimizer state runs in the background until the next ``optimizer.step()``.
         """
         started = time.perf_counter()
+        # A save allocates an object or two per tensor and creates no cycles: a collection
+        # triggered in here would scan every live tensor on the training thread's time.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._save(started, step, state, metrics=metrics, mode=mode, overlap=overlap)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _save(self, started: float, step: int, state: Any, *, metrics: Mapping[str, Any] | None,
+              mode: UploadMode | str, overlap: bool | None) -> SaveFuture:
         self._check_usable()
         self.snapshot_barrier()
         mode = _mode(mode)
