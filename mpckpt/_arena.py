@@ -133,13 +133,21 @@ class Arena:
         slab.segment.close()
         slab.segment.unlink()
 
-    def reserve(self, nbytes: int) -> None:
-        """Create (and touch) a free slab of ``nbytes`` now, if the budget allows."""
+    def reserve(self, nbytes: int, *, count: int = 1) -> int:
+        """Have ``count`` free slabs of ``nbytes`` made and touched now, as the budget allows.
+
+        Returns how many there are.
+        """
         with self._cond:
-            if self._fits(nbytes) is None:
+            held = []
+            for _ in range(count):
                 slab = self._take(min(nbytes, self.budget_bytes))
-                if slab is not None:
-                    slab.in_use = False
+                if slab is None:
+                    break
+                held.append(slab)
+            for slab in held:
+                slab.in_use = False
+            return len(held)
 
     def try_acquire(self, nbytes: int) -> Slab | None:
         """A slab now, or None if the budget is full (a spare being made is waited for)."""

@@ -389,7 +389,8 @@ class Checkpointer:
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
         need = estimate_state_bytes(state, flat)
         need = min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
-        self.arena.reserve(need)
+        # two slabs: the first save's, and the spare the next save uses while it uploads
+        self.arena.reserve(need, count=2)
         return need
 
     # -- reading ----------------------------------------------------------------------------------
