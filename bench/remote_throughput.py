@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpckpt  # noqa: E402
 from bench._harness import MIB, RESULTS_DIR, machine_info, markdown_table, median, write_json  # noqa: E402
-from tests.servers import AZURITE_BIN, azurite_connection_string, free_port, s3_options  # noqa: E402
+from tests.servers import AZURITE_BIN, azurite_connection_string, free_port, s3_options, stop_server  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 
@@ -64,15 +64,6 @@ def _start(cmd: list[str], port: int, workdir: str, name: str) -> subprocess.Pop
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"{name} did not listen on 127.0.0.1:{port} within {START_TIMEOUT_S:.0f} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def start_azurite(workdir: str) -> tuple[subprocess.Popen, str]:
@@ -270,8 +261,8 @@ def main() -> None:
             floor = s3_floor(endpoint, data, args.repeats)
             rows.append(summarise("S3 (moto)", runs, floor, "s3fs fs.pipe"))
         finally:
-            _stop(azurite)
-            _stop(moto)
+            stop_server(azurite)
+            stop_server(moto)
 
     table = markdown_table(rows, [
         ("store", "store", 0), ("floor", "raw client call", 0), ("mpckpt_mb_s", "mpckpt MB/s (persist)", 0),

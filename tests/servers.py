@@ -47,7 +47,8 @@ def _wait_for_port(proc: subprocess.Popen, port: int, log: Path, name: str) -> N
     pytest.fail(f"{name} did not listen on 127.0.0.1:{port} within {START_TIMEOUT_S:.0f} s; log:\n{log.read_text()}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminate a server process, killing it if it does not exit within 10 s."""
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -84,7 +85,7 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield azurite_connection_string(port)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +105,7 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def s3_options(endpoint_url: str, **extra: object) -> dict:
