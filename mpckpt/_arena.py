@@ -179,26 +179,19 @@ class Arena:
     def release(self, slab: Slab) -> None:
         with self._cond:
             slab.in_use = False
-            if self.closed:
+            if self.closed and slab in self._slabs:  # released after close: already dropped
                 self._drop(slab)
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Unlink every slab (those still in use are unlinked as soon as they are released)."""
+        """Unlink every slab, in use or not (a spare being made is finished and dropped too)."""
         with self._cond:
             self.closed = True
-            while self._creating:  # a spare being made: let it finish, then drop it
+            while self._creating:
                 self._cond.wait(1.0)
-            for slab in [s for s in self._slabs if not s.in_use]:
-                self._drop(slab)
-            self._cond.notify_all()
-
-    def force_close(self) -> None:
-        """Unlink everything, in use or not (the process is going away)."""
-        with self._cond:
-            self.closed = True
             for slab in list(self._slabs):
                 self._drop(slab)
+            self._cond.notify_all()
 
 
 def _pin(t: torch.Tensor) -> bool:

@@ -153,13 +153,12 @@ class Checkpointer:
             if self.pool is not None:
                 self.pool.close()
             self.arena.close()
-            self.arena.force_close()
             self._lock.release()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             try:
-                self.arena.force_close()
+                self.arena.close()
             except Exception:
                 pass
 

@@ -24,7 +24,7 @@ from mpckpt import _dtypes
 from mpckpt._snapshot import build_tensors, unflatten
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import SKELETON_NAME, Manifest
-from mpckpt.format.safetensors import parse_header
+from mpckpt.format.safetensors import header_length, parse_header
 from mpckpt.storage import Backend
 
 _READ_CHUNK = 64 << 20
@@ -127,8 +127,9 @@ def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pi
             futures = {s: pool.submit(read_verified, backend, name, manifest, s, bar=bar) for s in shard_names}
             for s, fut in futures.items():
                 buf = fut.result()
-                raw = buf[:8 + _header_len(buf)].numpy().tobytes()
-                header = parse_header(raw, path=manifest.location(name, s), file_size=buf.numel())
+                where = manifest.location(name, s)
+                n = header_length(buf[:8].numpy().tobytes(), path=where, file_size=buf.numel())
+                header = parse_header(buf[:8 + n].numpy().tobytes(), path=where, file_size=buf.numel())
                 buffers[s] = (buf, header)
     finally:
         if bar is not None:
@@ -139,13 +140,6 @@ def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pi
         raise CorruptCheckpointError(f"{name}/{SKELETON_NAME}: tensor table does not match the shards ({e})") from e
     tensors = build_tensors(table, leaves)
     return unflatten(tree, tensors, allow_pickle=allow_pickle)
-
-
-def _header_len(buf: torch.Tensor) -> int:
-    if buf.numel() < 8:
-        return 0
-    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
-    return min(n, max(0, buf.numel() - 8))
 
 
 def apply_state(target: Any, loaded: Any, path: str = "") -> Any:

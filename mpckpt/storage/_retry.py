@@ -18,6 +18,10 @@ from mpckpt.errors import ConfigError, TransientStorageError
 
 T = TypeVar("T")
 
+#: Errors that mean a bug in mpckpt or a client library, never a storage condition: the
+#: backends re-raise them at once instead of translating or retrying them.
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
+
 DEFAULT_ATTEMPTS = 5
 DEFAULT_BASE_S = 0.2
 DEFAULT_MAX_S = 5.0

@@ -53,7 +53,7 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import redact_url, scrub
-from mpckpt.storage._retry import DEFAULT_ATTEMPTS, retry
+from mpckpt.storage._retry import DEFAULT_ATTEMPTS, PROGRAMMING_ERRORS, retry
 from mpckpt.storage.base import MANIFEST_NAME, BackendSpec, Buffer, check_relpath
 
 T = TypeVar("T")
@@ -63,7 +63,6 @@ DEFAULT_CONCURRENCY = 8
 MAX_BLOCKS = 50_000  # Azure's limit of blocks per blob
 _CREDENTIAL_OPTIONS = ("connection_string", "account_url", "account_name", "account_key", "sas_token", "credential")
 _MPCKPT_OPTIONS = ("create", "lease_s", "retry_attempts", "block_size", "max_concurrency", "client_kwargs")
-_PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
 
 
 def parse_url(url: str) -> tuple[str, str | None, str]:
@@ -291,7 +290,7 @@ class AzureBlobBackend:
         def attempt() -> T:
             try:
                 return fn()
-            except (MpckptError, _lease.LeaseLost, *_PROGRAMMING_ERRORS):
+            except (MpckptError, _lease.LeaseLost, *PROGRAMMING_ERRORS):
                 raise
             except (AzureError, OSError) as e:
                 raise self._translate(e, what) from e

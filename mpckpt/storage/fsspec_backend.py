@@ -39,7 +39,7 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import redact_url, scrub
-from mpckpt.storage._retry import DEFAULT_ATTEMPTS, retry
+from mpckpt.storage._retry import DEFAULT_ATTEMPTS, PROGRAMMING_ERRORS, retry
 from mpckpt.storage.base import MANIFEST_NAME, BackendSpec, Buffer, check_relpath
 
 T = TypeVar("T")
@@ -57,7 +57,6 @@ _TRANSIENT_TYPES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTim
                     "ServerTimeoutError", "ClientPayloadError", "FSTimeoutError"}
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
                     "RequestTimeout", "InternalError", "ServiceUnavailable", "500", "502", "503", "504", "429"}
-_PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:
@@ -217,7 +216,7 @@ class FsspecBackend:
         def attempt() -> T:
             try:
                 return fn()
-            except (MpckptError, _lease.LeaseLost, *_PROGRAMMING_ERRORS):
+            except (MpckptError, _lease.LeaseLost, *PROGRAMMING_ERRORS):
                 raise
             except Exception as e:
                 raise self._translate(e, what) from e
@@ -262,7 +261,7 @@ class FsspecBackend:
             raise ConfigError(f"{self.url}: no permission to write ({scrub(str(e), self._secrets)}); "
                               "check the credentials and the bucket policy") from e
         except Exception as e:
-            if isinstance(e, _PROGRAMMING_ERRORS):
+            if isinstance(e, PROGRAMMING_ERRORS):
                 raise
             hint = ("cannot reach the storage endpoint; check the endpoint URL and the network"
                     if is_transient(e) else "check the URL, credentials and storage options")
