@@ -9,8 +9,10 @@ of memory, segfault) is noticed the moment it happens, not after a timeout. The 
 is replaced and its job retried on the replacement, up to ``max_attempts`` times; after that
 the job fails with an ``UploadError`` naming the file and the exit code.
 
-Workers are started and pinged when the pool starts (so the first save finds them warm and
-a backend that cannot be opened fails at open), and niced below training.
+Workers are started (``_spawn``: without the user's main module, with the trainer's
+environment) and pinged when the pool starts: each proves it can write to the root, so the
+first save finds them warm and storage the *uploaders* cannot write to fails at open, not at
+the first upload. They run niced below training.
 
 Callbacks (``Job.on_done``) run on the dispatcher thread; they must be short and must not
 raise (an exception there is recorded and surfaced by ``take_internal_error``).
@@ -27,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import multiprocess
 from multiprocess.connection import wait as mp_wait
 
-from mpckpt._worker import RemoteFailure, UploadJob, WriteJob, worker_main
-from mpckpt.errors import UploadError, WaitTimeoutError
+from mpckpt._spawn import PROCESS_NAME, uploader_context
+from mpckpt._worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
+from mpckpt.errors import ConfigError, UploadError, WaitTimeoutError
 from mpckpt.storage import BackendSpec
 
 DoneCallback = Callable[["Job", "dict[str, Any] | None", "BaseException | None"], None]
@@ -100,15 +102,16 @@ class _Slot:
 
 class UploaderPool:
     def __init__(
-        self, spec: BackendSpec, *, workers: int, start_method: str = "fork", nice: int = 10, max_attempts: int = 3,
-        in_process: bool = False,
+        self, spec: BackendSpec, *, workers: int, start_method: str = "forkserver", nice: int = 10,
+        max_attempts: int = 3, in_process: bool = False, environ: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        self.environ = environ
         self.in_process = in_process
         self.n_workers = workers
         self.nice = nice
         self.max_attempts = max_attempts
-        self._ctx = multiprocess.get_context(start_method)
+        self._ctx = uploader_context(start_method)
         self._slots: list[_Slot] = []
         self._pending: collections.deque[Job] = collections.deque()
         self._lock = threading.Lock()
@@ -122,22 +125,23 @@ class UploaderPool:
         self.retries = 0
 
     # -- life cycle -----------------------------------------------------------------------
-    def _spawn(self) -> _Slot:
+    def _spawn(self, index: int) -> _Slot:
         parent, child = self._ctx.Pipe(duplex=True)
         proc: Any
         if self.in_process:
-            proc = _ThreadWorker(worker_main, (child, self.spec, self.nice, True))
+            proc = _ThreadWorker(worker_main, (child, WorkerSetup(self.spec, self.nice, index)))
             proc.start()
         else:
-            proc = self._ctx.Process(target=worker_main, args=(child, self.spec, self.nice, False, os.getpid()),
-                                     daemon=True, name="mpckpt-uploader")
+            setup = WorkerSetup(self.spec, self.nice, index, trainer_pid=os.getpid(), environ=self.environ)
+            proc = self._ctx.Process(target=worker_main, args=(child, setup), daemon=True,
+                                     name=f"{PROCESS_NAME}-{index}")
             proc.start()
             child.close()
         return _Slot(proc, parent)
 
     def start(self, *, timeout_s: float = 120.0) -> None:
-        """Start every worker and wait until each has opened the backend."""
-        self._slots = [self._spawn() for _ in range(self.n_workers)]
+        """Start every worker and wait until each has proved it can write to the root."""
+        self._slots = [self._spawn(i) for i in range(self.n_workers)]
         deadline = time.monotonic() + timeout_s
         for slot in self._slots:
             slot.conn.send(("ping", 0))
@@ -152,13 +156,16 @@ class UploaderPool:
                 code = slot.process.exitcode
                 self.close(timeout_s=5)
                 raise UploadError(
-                    f"uploader process died while starting (exit code {code}). With start method "
-                    f"'{self._ctx.get_start_method()}' it imports your main script first: keep the training code "
-                    "under `if __name__ == \"__main__\":`, or set MPCKPT_START_METHOD=fork"
+                    f"{self.spec.root}: an uploader process died while starting (exit code {code}, start "
+                    f"method '{self._ctx.get_start_method()}'); its output above says why"
                 ) from e
             if status == "err":
                 self.close(timeout_s=5)
-                raise payload.rebuild()
+                cause = payload.rebuild()
+                raise ConfigError(
+                    f"{self.spec.root}: the uploader processes cannot write there: {type(cause).__name__}: {cause}. "
+                    "They run with this process's environment and the storage options given to the Checkpointer"
+                ) from cause
         self._thread = threading.Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
         self._thread.start()
 
@@ -314,7 +321,7 @@ class UploaderPool:
             index = self._slots.index(slot)
         self.restarts += 1
         if not self._stopping:
-            self._slots[index] = self._spawn()
+            self._slots[index] = self._spawn(index)
         else:
             self._slots.pop(index)
         if job is None:

@@ -5,8 +5,13 @@ shared-memory segment, an offset and a length, and the data goes from that mappi
 storage without passing through a pipe or being copied into the worker (the backend gets
 memoryview slices of the mapping).
 
+At start the worker takes on the environment the training process had when its
+Checkpointer opened (credentials and settings put into ``os.environ`` later in a notebook
+reach it), names itself ``mpckpt-uploader <index> <root>`` for ps/top, and opens the backend.
+
 Messages (tuples, trainer -> worker):
-    ("ping", job_id)                       answered with ("ok", job_id, {"pid": ...})
+    ("ping", job_id)                       proves the backend can be written (a probe write),
+                                           answered with ("ok", job_id, {"pid": ...})
     ("write", job_id, WriteJob)            a shard: header bytes + a slab range
     ("upload", job_id, UploadJob)          a file the user wrote (directory checkpoints)
     ("stop",)                              exit cleanly
@@ -44,6 +49,21 @@ class WriteJob:
     offset: int
     length: int
     header: bytes
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What an uploader needs to start: where it writes, as whom, and how it is named."""
+
+    spec: BackendSpec
+    nice: int
+    index: int = 0
+    trainer_pid: int = 0                        # 0: a thread of the trainer (no process of its own)
+    environ: dict[str, str] | None = None       # the trainer's environment when its Checkpointer opened
+
+    @property
+    def title(self) -> str:
+        return f"mpckpt-uploader {self.index} {self.spec.root}"
 
 
 @dataclass(frozen=True)
@@ -96,12 +116,34 @@ def _run_below_training(nice: int) -> None:
             pass
 
 
-def _die_with_parent() -> None:
+def _prctl(option: int, arg: Any) -> None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, arg, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing to set
         pass
+
+
+def _die_with_parent() -> None:
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def set_title(title: str) -> None:
+    """Show ``title`` in ps/top: the whole command line where setproctitle is installed,
+    and the kernel's 15-character thread name (PR_SET_NAME) in any case."""
+    try:
+        import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle.setproctitle(title)
+    _prctl(15, ctypes.c_char_p(title.replace(" ", "-").encode()[:15]))  # PR_SET_NAME
+
+
+def _take_environment(environ: dict[str, str]) -> None:
+    """Become the trainer's environment of the moment its Checkpointer opened."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 class _Worker:
@@ -159,14 +201,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False, trainer_pid: int = 0) -> None:
+def worker_main(conn: Any, setup: WorkerSetup) -> None:
     """Entry point of an uploader process (or thread, for storage that lives in this process)."""
-    if not in_thread:
+    trainer_pid = setup.trainer_pid
+    if trainer_pid:
         _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-        _run_below_training(nice)
+        set_title(setup.title)
+        if setup.environ is not None:
+            _take_environment(setup.environ)
+        _run_below_training(setup.nice)
     try:
-        worker: _Worker | None = _Worker(spec)
+        worker: _Worker | None = _Worker(setup.spec)
         startup_error = None
     except BaseException as e:  # reported on the first message, never swallowed
         worker, startup_error = None, RemoteFailure.capture(e)
@@ -185,6 +231,7 @@ def worker_main(conn: Any, spec: BackendSpec, nice: int, in_thread: bool = False
         assert worker is not None
         try:
             if kind == "ping":
+                worker.backend.check_writable()  # this process, its environment, can write
                 result: dict[str, Any] = {"pid": os.getpid()}
             elif kind == "write":
                 result = worker.write(msg[2])

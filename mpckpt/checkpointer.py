@@ -14,6 +14,7 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -22,16 +23,14 @@ import shutil
 import socket
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from mpckpt import _shm
-from mpckpt._arena import Arena
 from mpckpt._copier import estimate_state_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
-from mpckpt._ledger import Ledger, Pending, scan
-from mpckpt._pool import UploaderPool
-from mpckpt._saving import Snapshotter, skeleton_bytes
+from mpckpt._ledger import Pending, scan
+from mpckpt._runtime import Runtime, caller_location, finalizer_for
+from mpckpt._saving import skeleton_bytes
 from mpckpt._snapshot import flatten
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import BudgetPolicy, Config, UploadMode
@@ -43,12 +42,11 @@ from mpckpt.errors import (
     StepOrderError,
     add_note,
 )
-from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
+from mpckpt.format.manifest import SKELETON_NAME, checkpoint_name
 from mpckpt.restore import apply_state, load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
-_LAYOUT_CACHE = 8
 
 
 class Checkpointer:
@@ -75,37 +73,28 @@ class Checkpointer:
             allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
-        self._closed = True
         self._spec = spec_for_url(root, dict(storage_options or {}))
         self.backend = open_backend(self._spec)
         self.backend.check_writable()
         self._check_shm()
-        self._lock = self.backend.acquire_writer_lock(f"pid {os.getpid()} on {socket.gethostname()}")
-        self.pool: UploaderPool | None = None
-        try:
-            _shm.reap_orphans()
-            self.backend.cleanup_incomplete()
-            # checkpoints whose manifest does not verify: never deleted, never saved over
-            self._damaged: dict[int, Exception] = {}
-            committed = scan(self.backend, clean=True, problems=self._damaged)
-            self.ledger = Ledger(self.backend, committed, on_committed=self._after_commit,
-                                 taken_steps=set(self._damaged))
-            self.arena = Arena(self.config.memory_budget_bytes, pin=_cuda_available())
-            self.pool = UploaderPool(self._spec, workers=self.config.workers, start_method=self.config.start_method,
-                                     nice=self.config.nice, max_attempts=self.config.max_job_attempts,
-                                     in_process=bool(getattr(self.backend, "process_local", False)))
-            self.pool.start()
-            self._saver = Snapshotter(self.config, self.backend, self._spec.root, self.ledger, self.arena, self.pool,
-                                      on_wait=self._raise_unseen)
-        except BaseException:
-            if self.pool is not None:
-                self.pool.close(timeout_s=5)
-            self._lock.release()
-            raise
-        self._closed = False
-        self.stats = CheckpointerStats()
-        self._futures: list[SaveFuture] = []
+        # Everything the Checkpointer holds lives in the runtime, which never refers back to
+        # it: so an unclosed Checkpointer that nobody references can be finalized.
+        self._rt = Runtime(self.config, self._spec, self.backend, environ=dict(os.environ),
+                           owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
+                           pin=_cuda_available())
+        self._finalizer = finalizer_for(self, self._rt)
+        self.pool, self.arena, self.ledger, self._saver = self._rt.pool, self._rt.arena, self._rt.ledger, self._rt.saver
+        self._damaged = self._rt.damaged
         self.reported: list[dict[str, Any]] = []
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Figures of every save and report, and the uploaders' restart and retry counters."""
+        return self._rt.stats
+
+    @property
+    def _closed(self) -> bool:
+        return getattr(self, "_rt", None) is None or self._rt.closed
 
     @property
     def url(self) -> str:
@@ -140,27 +129,15 @@ class Checkpointer:
             add_note(exc, f"mpckpt: while closing after this error: {type(e).__name__}: {e}")
 
     def close(self) -> None:
-        """Wait for every pending upload, stop the uploaders, free shared memory; raise failures."""
+        """Wait for every pending upload, stop the uploaders, free shared memory; raise failures.
+
+        A Checkpointer that is dropped unclosed is closed by its finalizer (or at exit), which
+        logs what failed instead of raising it.
+        """
         if self._closed:
             return
-        try:
-            self.snapshot_barrier()
-            self.wait()
-        finally:
-            self._closed = True
-            self._saver.close()
-            self.ledger.close(timeout_s=self.config.timeout_s)
-            if self.pool is not None:
-                self.pool.close()
-            self.arena.close()
-            self._lock.release()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.arena.close()
-            except Exception:
-                pass
+        self._finalizer.detach()
+        self._rt.close()
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
@@ -200,26 +177,18 @@ class Checkpointer:
         flat = flatten(state, allow_pickle=self.config.allow_pickle)
         layout = self._saver.layout_for(flat)
         stats = SaveStats(step, bytes=flat.nbytes)
-        future = SaveFuture(stats)
-        self.stats.saves.append(stats)
-
         first = self._saver.take_slab(layout) if layout.waves else None
         if layout.waves and first is None:
             stats.status = "skipped"
-            future._resolve(None)
             warnings.warn(f"mpckpt: memory budget full, checkpoint of step {step} skipped (policy 'skip')",
                           stacklevel=2)
-            stats.blocked_ms = (time.perf_counter() - started) * 1e3
-            return future
-        record = self.ledger.open(step, "state", future, metrics)
-        self._futures.append(future)
-        try:
-            try:
-                record.staging = self.backend.stage(record.name)
-            except BaseException:
-                if first is not None:
-                    self.arena.release(first)
-                raise
+            return self._returned(self._untracked(stats), UploadMode.ASYNC, started)
+
+        def release_first(record: Pending) -> None:  # unless a wave job or the background copy owns it
+            if first is not None and first not in record.slabs:
+                self.arena.release(first)
+
+        with self._record(step, "state", stats, metrics, on_error=release_first) as record:
             record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
             reuse = self._saver.reuse_unchanged(record, flat, layout)
             stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
@@ -229,16 +198,45 @@ class Checkpointer:
                 self._saver.snapshot_overlapped(record, state, flat, layout, first, reuse)
             else:
                 self._saver.snapshot_eager(record, flat, layout, first, reuse)
+        return self._returned(record.future, mode, started)
+
+    # -- the life of one save's or report's record ------------------------------------------------
+    def _untracked(self, stats: SaveStats) -> SaveFuture:
+        future = SaveFuture(stats)
+        self.stats.saves.append(stats)
+        future._resolve(None)
+        return future
+
+    @contextlib.contextmanager
+    def _record(self, step: int, kind: str, stats: SaveStats, metrics: dict[str, Any], *,
+                on_error: Callable[[Pending], None] | None = None) -> Iterator[Pending]:
+        """One checkpoint's record, staged, from ``save``/``report`` until its jobs are queued.
+
+        ``save`` and ``report`` both go through here, so their records cannot drift apart. If
+        the body raises, the record settles as failed (later commits are not held up) and the
+        caller gets the error from this call, once: it is not raised again at the next save,
+        wait or exit.
+        """
+        future = SaveFuture(stats)
+        self.stats.saves.append(stats)
+        record = self.ledger.open(step, kind, future, metrics)
+        self._rt.futures.append(future)
+        try:
+            record.staging = self.backend.stage(record.name)
+            yield record
         except BaseException as e:
-            # the record must settle so later commits are not held up, and the caller sees
-            # this error here, once: it is not raised again at the next save/wait/exit
+            if on_error is not None:
+                on_error(record)
             self.ledger.resolve(record, "failed", e)
             self.ledger.all_submitted(record)
             future._mark_seen()
             raise
-        if mode is UploadMode.SYNC:
+
+    def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
+        """Wait for the commit unless ASYNC; record how long the caller was blocked."""
+        if mode is not UploadMode.ASYNC:
             future.result(self.config.timeout_s)
-        stats.blocked_ms = (time.perf_counter() - started) * 1e3
+        future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
 
     def snapshot_barrier(self) -> None:
@@ -284,29 +282,17 @@ class Checkpointer:
         if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":
             raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.url}; with a remote root use ASYNC or SYNC")
         stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(checkpoint.path, f)) for f in files))
-        future = SaveFuture(stats)
-        self.stats.saves.append(stats)
-        record = self.ledger.open(step, "directory", future, metrics)
-        self._futures.append(future)
-        try:
-            record.staging = self.backend.stage(record.name)
+        with self._record(step, "directory", stats, metrics) as record:
             if mode is UploadMode.NO_UPLOAD:
                 self._saver.adopt_directory(record, checkpoint.path, files)
             else:
                 self._saver.submit_upload(record, checkpoint.path, files)
                 if delete_local_after_upload:
                     record.after_commit.append(lambda: shutil.rmtree(checkpoint.path))
-        except BaseException as e:
-            self.ledger.resolve(record, "failed", e)
-            raise
-        finally:
+            record.snapshot_done_at = time.perf_counter()
+            stats.written_bytes = stats.bytes
             self.ledger.all_submitted(record)
-        record.snapshot_done_at = time.perf_counter()
-        stats.written_bytes = stats.bytes
-        if mode is not UploadMode.ASYNC:
-            future.result(self.config.timeout_s)
-        stats.blocked_ms = (time.perf_counter() - started) * 1e3
-        return future
+        return self._returned(record.future, mode, started)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed; raise unseen failures."""
@@ -322,24 +308,7 @@ class Checkpointer:
         self._raise_unseen()
 
     def _raise_unseen(self) -> None:
-        assert self.pool is not None
-        internal = self.pool.take_internal_error()
-        if internal is not None:
-            raise internal
-        errors = []
-        for fut in self._futures:
-            exc = fut._unseen_exception()
-            if exc is not None:
-                errors.append(exc)
-        self._futures = [f for f in self._futures if not f.done()]
-        self.stats.worker_restarts = self.pool.restarts
-        self.stats.job_retries = self.pool.retries
-        self.stats.peak_shm_bytes = self.arena.peak_bytes
-        if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                add_note(first, f"also failed: {other}")
-            raise first
+        self._rt.raise_unseen()
 
     def _check_step(self, step: Any) -> int:
         if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
@@ -354,29 +323,6 @@ class Checkpointer:
                 "(committed checkpoints are never overwritten)"
             )
         return step
-
-    def _after_commit(self, record: Pending, manifest: Manifest) -> Callable[[], None] | None:
-        """Apply retention: forget doomed checkpoints now, return the deletion to run later."""
-        keep = self.config.keep_last
-        if keep is None:
-            return None
-        from mpckpt.retention import keep_last_n
-
-        with self.ledger.lock:
-            committed = sorted(self.ledger.committed.items())
-            referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
-            doomed = [checkpoint_name(step) for (step, _), keep_it in
-                      zip(committed, keep_last_n(committed, keep), strict=True)
-                      if not keep_it and checkpoint_name(step) not in referenced]
-            for name in doomed:
-                self._saver.forget_folder(name)
-                self.ledger.committed.pop(int(name.removeprefix("step_")), None)
-
-        def delete() -> None:
-            for name in doomed:
-                self.backend.delete(name)
-
-        return delete if doomed else None
 
     # -- warming ----------------------------------------------------------------------------------
     def prepare(self, state: Any) -> int:

@@ -1,0 +1,65 @@
+"""How uploader processes start: from a fork server, without the user's main module.
+
+The ``forkserver`` and ``spawn`` start methods normally re-import the parent's ``__main__``
+in every child (and ``forkserver`` also in the server itself) so that functions defined in
+the main script can be unpickled there. Uploaders need nothing from the main script: their
+entry point is ``mpckpt._worker.worker_main`` and everything they receive is a plain
+dataclass. Importing the script anyway is what broke three kinds of users:
+
+* a script without ``if __name__ == "__main__":`` ran its whole training loop again inside
+  the fork server (which then failed on the writer lock, with a confusing error);
+* a script read from standard input (``python - < train.py``) failed, because
+  ``<stdin>`` is not a file the child can import;
+* every uploader paid for the imports of the user's script (torch, the model code).
+
+So for processes named ``mpckpt-uploader`` the preparation data sent to the child leaves the
+main module out, and the fork server preloads ``mpckpt._worker`` instead of ``__main__``.
+Other processes started with ``multiprocess`` in the same program are left as they are.
+
+What the uploaders do get from the training process is its environment *at the time the
+Checkpointer opens* (``worker_main`` applies it): the fork server is started once per
+process and would otherwise hand every later uploader the environment of that moment.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import multiprocess
+import multiprocess.spawn as _mp_spawn
+
+PROCESS_NAME = "mpckpt-uploader"
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+_installed = threading.Lock()
+
+
+def _without_main(original: Any) -> Any:
+    @functools.wraps(original)
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data: dict[str, Any] = original(name)
+        if isinstance(name, str) and name.startswith(PROCESS_NAME):
+            for key in _MAIN_KEYS:
+                data.pop(key, None)
+        return data
+
+    get_preparation_data.__mpckpt_without_main__ = True  # type: ignore[attr-defined]
+    return get_preparation_data
+
+
+def _install() -> None:
+    with _installed:
+        current = _mp_spawn.get_preparation_data
+        if not getattr(current, "__mpckpt_without_main__", False):
+            _mp_spawn.get_preparation_data = _without_main(current)
+
+
+def uploader_context(start_method: str) -> Any:
+    """The ``multiprocess`` context uploaders start from (``fork``, ``spawn`` or ``forkserver``)."""
+    _install()
+    ctx = multiprocess.get_context(start_method)
+    if start_method == "forkserver":
+        # Only takes effect before the server starts; the server then never runs the main script.
+        ctx.set_forkserver_preload(["mpckpt._worker"])
+    return ctx
