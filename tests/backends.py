@@ -5,7 +5,9 @@ come from storage options, each keyed by a regular expression searched in the wr
 (the local staging folder is ``.tmp.step_0000000002.<pid>.<token>/``): ``delay`` maps it to
 seconds, ``fail`` to an error message (an OSError is raised), ``fail_once`` fails only the
 first attempt (a marker file under ``marker_dir`` remembers), ``kill_worker`` (a list) makes
-the uploader process SIGKILL itself while writing a matching path, once.
+the uploader process SIGKILL itself while writing a matching path, once;
+``writable_only_in_pid`` refuses writes (at ``check_writable``) in every other process, as
+storage that the training process may write to but its uploaders may not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mpckpt.errors import ConfigError
 from mpckpt.storage import BackendSpec, register_backend
 from mpckpt.storage.local import LocalBackend
 
@@ -57,6 +60,12 @@ class ControlledLocal(LocalBackend):
         for pattern in self.options.get("kill_worker", []):
             if re.search(pattern, relpath) and self._once("kill" + relpath):
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def check_writable(self) -> None:
+        only = self.options.get("writable_only_in_pid")
+        if only is not None and os.getpid() != only:
+            raise ConfigError(f"{self.url}: permission denied for process {os.getpid()} (rule writable_only_in_pid)")
+        super().check_writable()
 
     def write_file(self, relpath: str, parts: Sequence[Any]) -> None:
         self._apply_rules(relpath)
