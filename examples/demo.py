@@ -48,7 +48,15 @@ def main() -> None:
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="mpckpt-demo-")
     scratch = tempfile.mkdtemp(prefix="mpckpt-demo-torch-save-", dir=os.path.dirname(os.path.abspath(root)))
+    try:
+        run(args, root, scratch)
+    finally:  # also when the demo fails: nothing of it is left in the temp folder
+        shutil.rmtree(scratch, ignore_errors=True)
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
 
+
+def run(args: argparse.Namespace, root: str, scratch: str) -> None:
     model, opt = build(args.width, args.depth)
     x, y = torch.randn(64, args.width), torch.randint(0, 10, (64,))
     state = {"model": model, "optim": opt, "epoch": 0}
@@ -82,13 +90,9 @@ def main() -> None:
     plain = mpckpt.load(root)
     print(f"restored step {restored} (epoch {state2['epoch']}): model identical={same}, optimizer identical={same_opt}; "
           f"mpckpt.load gives keys {sorted(plain)}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    if args.root is None:
-        shutil.rmtree(root, ignore_errors=True)
     if not (same and same_opt and restored == state2["epoch"]):
         raise SystemExit("demo FAILED: the restored state differs")
     print("demo OK")
-
 
 if __name__ == "__main__":
     main()
