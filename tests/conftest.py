@@ -22,10 +22,9 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _no_leaked_segments() -> object:
     """Every test must leave no shared-memory segment of this process behind."""
-    mine = f"{_shm.PREFIX}{os.getpid()}-"
-    before = {n for n in _shm.list_segments() if n.startswith(mine)}
+    before = set(_shm.segments_of_this_process())
     yield
-    leaked = {n for n in _shm.list_segments() if n.startswith(mine)} - before
+    leaked = set(_shm.segments_of_this_process()) - before
     for name in leaked:  # clean up so one leak does not cascade into other tests
         try:
             os.unlink(os.path.join(_shm.SHM_DIR, name))

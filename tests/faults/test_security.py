@@ -1,7 +1,8 @@
 """Security faults: shared memory others could read or guess, hostile segment names, leaked secrets.
 
-- Every slab of a live Checkpointer is mode 0600 and named ``mpckpt-<pid>-<32 hex>``: 128
-  random bits that differ between checkpointers.
+- Every slab of a live Checkpointer is mode 0600 and named ``mpckpt-<pid>-<owner token>-<32 hex>``:
+  128 random bits that differ between slabs, after the 128-bit token of its owner file (mode
+  0600 too). Hostile entries in /dev/shm and the owner protocol: ``test_hostile_shm.py``.
 - ``Segment.attach`` (what uploaders do with a name from a job) refuses any other name, so a
   job cannot make an uploader open ``../x`` or another program's segment.
 - An az:// Checkpointer with an account key, logging at DEBUG, that fails: the key appears in
@@ -23,7 +24,7 @@ import mpckpt
 from mpckpt import _shm
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
-NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]+)$")
+NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]{32})-([0-9a-f]+)$")
 
 
 def _slab_names(ckpt: mpckpt.Checkpointer) -> list[str]:
@@ -45,14 +46,23 @@ def test_slabs_are_private_and_unguessable(tmp_path):
                 m = NAME.match(name)
                 assert m, name
                 assert int(m.group(1)) == os.getpid()
-                assert len(m.group(2)) * 4 >= 128, name  # hex digits x 4 bits
-                tokens.append(m.group(2))
+                assert len(m.group(3)) * 4 >= 128, name  # hex digits x 4 bits
+                tokens.append(m.group(3))
+                owner_file = os.path.join(_shm.SHM_DIR, f"mpckpt-{m.group(1)}-{m.group(2)}.owner")
+                assert stat.S_IMODE(os.lstat(owner_file).st_mode) == 0o600, owner_file
             ckpt.wait()
     assert len(set(tokens)) == len(tokens), tokens  # no two slabs, in one or two checkpointers, share a token
 
 
+_TOKEN = "0" * 32
+
+
 @pytest.mark.parametrize("name", ["../x", "other-segment", "mpckpt-1-../../etc/passwd", "/mpckpt-1-" + "0" * 32,
-                                  "mpckpt-1-" + "0" * 31, "mpckpt-1-" + "G" * 32, "mpckpt-x-" + "0" * 32, ""])
+                                  "mpckpt-1-" + "0" * 31, "mpckpt-1-" + "G" * 32, "mpckpt-x-" + "0" * 32, "",
+                                  "mpckpt-1-" + "0" * 32,  # an older mpckpt's form: never attached
+                                  f"mpckpt-1-{_TOKEN}.owner", f"mpckpt-1-{_TOKEN}-" + "0" * 31,
+                                  f"/mpckpt-1-{_TOKEN}-" + "0" * 32, f"mpckpt-1-{_TOKEN}-" + "0" * 32 + "\n",
+                                  f"mpckpt-1-{_TOKEN}-../" + "0" * 29])
 def test_attach_refuses_foreign_names(name):
     with pytest.raises(ValueError, match="not an mpckpt shared-memory segment name"):
         _shm.Segment.attach(name, 4096)
