@@ -450,9 +450,27 @@ class AzureBlobBackend:
         except CheckpointNotFoundError:
             return []
 
-    def read_bytes(self, relpath: str) -> bytes:
+    def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
         blob = self._blob(relpath)
-        return self._call(f"read {self._show(relpath)}", lambda: blob.download_blob().readall())
+        show = self._show(relpath)
+        if max_bytes is None:
+            return self._call(f"read {show}", lambda: blob.download_blob().readall())
+        limit = max_bytes
+
+        def get() -> bytes:
+            try:  # one ranged request: never more than max_bytes + 1 bytes come back
+                downloader = blob.download_blob(offset=0, length=limit + 1)
+            except HttpResponseError as e:
+                if e.status_code == 416:  # an empty blob has no byte 0 to start a range at
+                    return b""
+                raise
+            if downloader.size > limit:
+                total = str(downloader.properties.content_range or "").rpartition("/")[2]
+                raise CorruptCheckpointError(
+                    f"{show} is {total if total.isdigit() else f'more than {limit}'} bytes, above the {limit} "
+                    "such a file may have; it is damaged or not written by mpckpt", path=show)
+            return bytes(downloader.readall())
+        return self._call(f"read {show}", get)
 
     def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")

@@ -99,12 +99,23 @@ class Backend(Protocol):
         ...
 
     # -- reading ------------------------------------------------------------------------
+    # Reads never trust what is under the root: anyone who can write there, a crash or bit rot
+    # may leave a link, a folder, a FIFO or a huge file where a checkpoint file should be.
+    # Only regular files are read; on a filesystem, a symbolic link in any component below the
+    # root (the root itself may be a link the user chose) is ``CorruptCheckpointError`` naming
+    # the path and nothing about where the link points; so is a folder or special file where a
+    # file should be. Nothing is ever found only by following a link.
+
     def list_names(self) -> list[str]:
-        """Names of the top-level folders under the root (committed or not)."""
+        """Names of the top-level folders under the root (committed or not; never links)."""
         ...
 
-    def read_bytes(self, relpath: str) -> bytes:
-        """A whole (small) file. ``CheckpointNotFoundError`` if it does not exist."""
+    def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
+        """A whole (small) file. ``CheckpointNotFoundError`` if it does not exist.
+
+        With ``max_bytes``, a larger file is ``CorruptCheckpointError`` naming the path and
+        both sizes, and is not read: memory stays bounded whatever is stored there.
+        """
         ...
 
     def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
@@ -119,12 +130,15 @@ class Backend(Protocol):
         ...
 
     def exists(self, relpath: str) -> bool:
-        """Whether a file exists."""
+        """Whether a file exists (a link or folder in its place raises, as a read would)."""
         ...
 
     # -- housekeeping -------------------------------------------------------------------
     def delete(self, name: str) -> None:
-        """Delete checkpoint folder ``name``: manifest first, so it stops existing at once."""
+        """Delete checkpoint folder ``name``: manifest first, so it stops existing at once.
+
+        Never deletes through a link: a link at ``name`` is removed itself, never its target.
+        """
         ...
 
     def cleanup_incomplete(self) -> list[str]:

@@ -350,9 +350,20 @@ class FsspecBackend:
             return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
         return self._call(f"list {self.url}", ls)
 
-    def read_bytes(self, relpath: str) -> bytes:
+    def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
         path = self._path(relpath)
-        return self._call(f"read {self._show(relpath)}", lambda: self.fs.cat_file(path))
+        what = f"read {self._show(relpath)}"
+        if max_bytes is None:
+            return self._call(what, lambda: self.fs.cat_file(path))
+        size = self.size(relpath)  # a bigger file is refused unread
+        if size <= max_bytes:
+            # a ranged read: bounded even if the file was replaced by a bigger one since
+            data = self._call(what, lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)) if size else b""
+            if len(data) <= max_bytes:
+                return bytes(data)
+        found = f"{size} bytes" if size > max_bytes else f"more than {max_bytes} bytes (it grew while read)"
+        raise CorruptCheckpointError(f"{self._show(relpath)} is {found}, above the {max_bytes} such a file may have; "
+                                     "it is damaged or not written by mpckpt", path=self._show(relpath))
 
     def _read_range(self, relpath: str, start: int, length: int) -> bytes:
         """Up to ``length`` bytes from ``start``; fewer (maybe none) where the file ends first."""

@@ -169,6 +169,18 @@ class BackendContract:
         with pytest.raises(CorruptCheckpointError, match="f.bin"):
             backend.read_into("f.bin", offset, memoryview(bytearray(length)))
 
+    def test_read_bytes_with_a_size_bound(self, backend: Backend) -> None:
+        backend.write_file("f.bin", [DATA])
+        backend.write_file("empty.bin", [b""])
+        assert backend.read_bytes("f.bin", max_bytes=len(DATA)) == DATA
+        assert backend.read_bytes("empty.bin", max_bytes=0) == b""
+        assert backend.read_bytes("empty.bin", max_bytes=100) == b""
+        with pytest.raises(CorruptCheckpointError, match="f.bin") as info:
+            backend.read_bytes("f.bin", max_bytes=len(DATA) - 1)
+        assert str(len(DATA)) in str(info.value) and str(len(DATA) - 1) in str(info.value)
+        with pytest.raises(CheckpointNotFoundError, match="step-9/x"):
+            backend.read_bytes("step-9/x", max_bytes=100)
+
     def test_missing_files(self, backend: Backend) -> None:
         assert not backend.exists("step-9/shard-0.safetensors")
         for call in (lambda: backend.read_bytes("step-9/x"), lambda: backend.size("step-9/x"),
@@ -316,8 +328,8 @@ class TestLocal(BackendContract):
         import mpckpt.storage.local as local
 
         def boom(*args: Any, **kwargs: Any) -> None:
-            raise InjectedFault("rmtree")
-        monkeypatch.setattr(local.shutil, "rmtree", boom)  # the manifest's unlink comes first
+            raise InjectedFault("remove tree")
+        monkeypatch.setattr(local, "_remove_tree", boom)  # the manifest's unlink comes first
 
     def test_missing_bucket_is_a_config_error_naming_the_url(self, missing_root: Backend | None) -> None:
         assert missing_root is not None
