@@ -9,6 +9,7 @@ checkpointer never deletes a folder that a newer manifest still references.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,14 +32,26 @@ def keep_last_n(records: Records, n: int) -> list[bool]:
     return _with_newest([i >= len(records) - n for i in range(len(records))])
 
 
+def rank_by_metric(records: Records, metric: str, mode: str = "min") -> list[int]:
+    """Indices of ``records`` that have a numeric ``metric``, best first (``mode`` 'min' or 'max').
+
+    Checkpoints without the metric, or with a NaN (a diverged step), are not ranked: a NaN
+    compares false with everything and would put the wrong step first.
+    """
+    if mode not in ("min", "max"):
+        raise ConfigError(f"mode={mode!r}: use 'min' or 'max'")
+    scored = []
+    for i, (_, m) in enumerate(records):
+        value = m.metrics.get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            scored.append((value, i))
+    scored.sort(key=lambda x: x[0], reverse=(mode == "max"))
+    return [i for _, i in scored]
+
+
 def keep_best_n(records: Records, n: int, metric: str, mode: str = "min") -> list[bool]:
     """Keep the ``n`` with the best ``metric`` (checkpoints without it are not kept by this rule)."""
-    if mode not in ("min", "max"):
-        raise ConfigError(f"keep_best_n(mode={mode!r}): use 'min' or 'max'")
-    scored = [(m.metrics.get(metric), i) for i, (_, m) in enumerate(records)
-              if isinstance(m.metrics.get(metric), (int, float))]
-    scored.sort(key=lambda x: x[0], reverse=(mode == "max"))
-    best = {i for _, i in scored[:n]}
+    best = set(rank_by_metric(records, metric, mode)[:n])
     return _with_newest([i in best for i in range(len(records))])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ FORMAT_VERSION = 1
 CHECKSUM_ALGO = "xxh3_64"
 SKELETON_NAME = "skeleton.json"
 STEP_PREFIX = "step_"
+KINDS = ("state", "directory")
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
+_STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
 
 
 def checkpoint_name(step: int) -> str:
@@ -35,11 +39,16 @@ def checkpoint_name(step: int) -> str:
 
 
 def step_of(name: str) -> int | None:
-    """The step a folder name stands for, or None for folders that are not checkpoints."""
-    if not name.startswith(STEP_PREFIX):
+    """The step a folder name stands for, or None for folders that are not checkpoints.
+
+    Only the names ``checkpoint_name`` writes count (ASCII digits, zero-padded to ten): a stray
+    ``step_2`` or ``step_²`` is someone else's folder, never read as, or instead of, a checkpoint.
+    """
+    m = _STEP_NAME_RE.fullmatch(name)
+    if m is None or len(m.group(1)) > 30:
         return None
-    digits = name[len(STEP_PREFIX):]
-    return int(digits) if digits.isdigit() else None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -95,22 +104,29 @@ class Manifest:
     def from_bytes(cls, data: bytes, *, path: str) -> Manifest:
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # also too-deep nesting and too-long integers
             raise CorruptCheckpointError(f"{path}: manifest is not valid JSON (torn or damaged write)", path=path) from e
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{path}: not an mpckpt manifest", path=path)
         version = body.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise CorruptCheckpointError(f"{path}: manifest format version {str(version)[:20]!r} is not valid", path=path)
+        if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{path}: written in format version {version!r}; this mpckpt reads up to {FORMAT_VERSION}. "
                 "Upgrade mpckpt to load it",
                 path=path,
             )
         claimed = body.pop("manifest_checksum", None)
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        try:
+            canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as e:  # keys of mixed types cannot be sorted
+            raise CorruptCheckpointError(f"{path}: manifest is malformed ({e})", path=path) from e
         if claimed != checksum(canonical.encode()):
             raise CorruptCheckpointError(f"{path}: manifest checksum does not match its content", path=path)
         try:
+            if body.get("kind") not in KINDS:
+                raise ValueError(f"kind {str(body.get('kind'))[:40]!r} is not one of {KINDS}")
             files = {}
             for rel, entry in body["files"].items():
                 check_relpath(rel)
@@ -118,21 +134,39 @@ class Manifest:
                 if ref is not None and step_of(ref) is None:
                     raise ValueError(f"file {rel!r} refers to {ref!r}, which is not a checkpoint folder")
                 size = entry["size"]
-                if not isinstance(size, int) or size < 0:
+                if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                     raise ValueError(f"file {rel!r} has a bad size {size!r}")
                 files[rel] = FileEntry(size, str(entry[CHECKSUM_ALGO]), ref)
+            step, seq = body["step"], body["seq"]
+            for key, value in (("step", step), ("seq", seq)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{key} {str(value)[:40]!r} is not a non-negative integer")
             return cls(
-                step=int(body["step"]),
-                seq=int(body["seq"]),
+                step=step,
+                seq=seq,
                 kind=str(body["kind"]),
                 files=files,
-                metrics=dict(body.get("metrics") or {}),
+                metrics=_metrics(body.get("metrics")),
                 created_unix=float(body["created_unix"]),
                 world_size=int(body.get("world_size", 1)),
                 format_version=version,
             )
         except Exception as e:
-            raise CorruptCheckpointError(f"{path}: manifest is malformed ({e})", path=path) from e
+            raise CorruptCheckpointError(f"{path}: manifest is malformed ({str(e)[:200]})", path=path) from e
+
+
+def _metrics(raw: Any) -> dict[str, Any]:
+    """Metrics as written (non-finite floats come back from their repr)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError("metrics is not an object")
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+            v = float(v)
+        out[k] = v
+    return out
 
 
 def _json_safe_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -261,7 +261,7 @@ def test_skip_policy_drops_with_a_warning_and_counts(tmp_path):
 def test_coalesce_replaces_a_queued_checkpoint(tmp_path):
     markers = tmp_path / "m"
     markers.mkdir()
-    opts = {"delay": {r"step_0000000000\.": 1.5}, "marker_dir": str(markers)}
+    opts = {"delay": {r"step_0000000000\.": 5.0}, "marker_dir": str(markers)}  # long enough on a loaded machine
     state = {"x": torch.randn(1 << 20)}  # 4 MiB, budget for two in flight
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=1, memory_budget="10MiB", policy="coalesce",
                              storage_options=opts) as ckpt:

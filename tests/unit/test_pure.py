@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import pytest
@@ -91,7 +92,7 @@ def test_manifest_round_trip_and_tamper_detection():
                  metrics={"loss": 0.5, "bad": float("nan")})
     data = m.to_bytes()
     back = Manifest.from_bytes(data, path="m")
-    assert back.files == m.files and back.metrics["loss"] == 0.5 and back.metrics["bad"] == "nan"
+    assert back.files == m.files and back.metrics["loss"] == 0.5 and math.isnan(back.metrics["bad"])
     assert back.location("step_0000000003", "s.json") == "step_0000000001/s.json"
     body = json.loads(data)
     body["step"] = 4
