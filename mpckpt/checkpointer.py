@@ -44,9 +44,10 @@ from mpckpt.errors import (
 )
 from mpckpt.format.manifest import SKELETON_NAME, checkpoint_name
 from mpckpt.restore import apply_state, load_checkpoint
-from mpckpt.storage import open_backend, spec_for_url
+from mpckpt.storage import MANIFEST_NAME, open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
+_LOAD_ATTEMPTS = 8
 
 
 class Checkpointer:
@@ -350,14 +351,12 @@ class Checkpointer:
             return sorted(self.ledger.committed)
 
     def best(self, n: int = 1, metric: str = "loss", mode: str = "min") -> list[int]:
-        """The ``n`` committed steps with the best ``metric`` (``mode`` 'min' or 'max')."""
-        if mode not in ("min", "max"):
-            raise ConfigError(f"best(mode={mode!r}): use 'min' or 'max'")
+        """The ``n`` committed steps with the best ``metric`` (``mode`` 'min' or 'max'; NaN never wins)."""
+        from mpckpt.retention import rank_by_metric
+
         with self.ledger.lock:
-            scored = [(m.metrics[metric], s) for s, m in self.ledger.committed.items()
-                      if isinstance(m.metrics.get(metric), (int, float))]
-        scored.sort(key=lambda x: x[0], reverse=(mode == "max"))
-        return [s for _, s in scored[:n]]
+            records = sorted(self.ledger.committed.items())
+        return [records[i][0] for i in rank_by_metric(records, metric, mode)[:n]]
 
     def checkpoint(self, step: int | None = None) -> Checkpoint:
         """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
@@ -410,20 +409,43 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
          storage_options: Mapping[str, Any] | None = None) -> Any:
     """The plain nested state (dicts of tensors) of the latest committed checkpoint, or ``step``.
 
-    Needs no model or optimizer objects and never writes. Every file is verified.
+    Needs no model or optimizer objects and never writes. Every file is verified. A reader
+    may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
+    while it is read is not damage; the newest one is looked up again.
     """
     backend = open_backend(spec_for_url(root, dict(storage_options or {})))
-    problems: dict[int, Exception] = {}
-    committed = scan(backend, clean=False, problems=problems)
-    chosen = max([*committed, *problems], default=None) if step is None else step
-    if chosen in problems:  # say why the newest (or requested) one cannot be read
-        raise problems[chosen]
-    if chosen is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
-    if chosen not in committed:
-        raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "
-                                      f"committed steps: {sorted(committed)[-10:]}")
-    return load_checkpoint(backend, checkpoint_name(chosen), committed[chosen], allow_pickle=allow_pickle)
+    for _ in range(_LOAD_ATTEMPTS):
+        problems: dict[int, Exception] = {}
+        committed = scan(backend, clean=False, problems=problems)
+        chosen = max([*committed, *problems], default=None) if step is None else step
+        if chosen in problems:  # say why the newest (or requested) one cannot be read
+            raise problems[chosen]
+        if chosen is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
+        if chosen not in committed:
+            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "
+                                          f"committed steps: {sorted(committed)[-10:]}")
+        name = checkpoint_name(chosen)
+        try:
+            return load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle)
+        except MpckptError as e:
+            if _still_committed(backend, name):
+                raise
+            if step is not None:
+                raise CheckpointNotFoundError(
+                    f"the checkpoint of step {step} in {backend.url} was deleted while it was read "
+                    "(retention of the run writing there); load a newer one") from e
+            log.info("mpckpt: %s was deleted while it was read; looking for the newest again", name)
+    raise CheckpointNotFoundError(f"{backend.url}: each newest checkpoint was deleted while it was read, "
+                                  f"{_LOAD_ATTEMPTS} times; the writer keeps too few (keep_last) for readers")
+
+
+def _still_committed(backend: Any, name: str) -> bool:
+    """Whether ``name`` still has its manifest (retention deletes the manifest first)."""
+    try:
+        return bool(backend.exists(f"{name}/{MANIFEST_NAME}"))
+    except MpckptError:
+        return True  # cannot tell: report the original error
 
 
 def _mode(mode: Any) -> UploadMode:
