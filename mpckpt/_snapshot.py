@@ -255,18 +255,13 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
 def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape)."""
     out = []
-    aligned: dict[int, torch.Tensor] = {}  # bases copied to aligned memory, shared by their views
     for i, row in enumerate(table):
         if "leaf" in row:
             out.append(leaves[row["leaf"]])
             continue
         try:
-            base = aligned.get(row["view_of"])
-            if base is None:
-                base = leaves[row["view_of"]]
-                if base.storage_offset() % 16:  # the byte base sits unaligned in its shard
-                    base = base.clone()
-                aligned[row["view_of"]] = base
+            # every view of one base shares the base's memory (its own, aligned: see restore)
+            base = leaves[row["view_of"]]
             dtype = _dtypes.dtype_from_name(row["dtype"])
             itemsize = torch.empty((), dtype=dtype).element_size()
             offset = row["byte_offset"]
@@ -274,7 +269,7 @@ def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> li
                 raise ValueError("misaligned view")
             usable = base.numel() - base.numel() % itemsize
             typed = base[:usable].view(dtype)
-            # as_strided takes an absolute storage offset; the base starts inside its buffer.
+            # as_strided takes an absolute storage offset (0 for a loaded base; kept general)
             out.append(torch.as_strided(typed, row["shape"], row["stride"], typed.storage_offset() + offset // itemsize))
         except (KeyError, ValueError, RuntimeError, IndexError) as e:
             raise CorruptCheckpointError(f"tensor table row {i} describes an invalid view ({e})") from e

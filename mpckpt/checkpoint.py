@@ -4,13 +4,16 @@
 ``save_pretrained``, a Lightning ``.ckpt``) so ``Checkpointer.report`` can upload and commit
 them. ``Checkpointer.checkpoint(step)`` returns the committed version; ``as_directory()``
 gives a local folder to read (the folder itself on local disk, a verified download
-elsewhere) and ``to_directory(path)`` copies it out.
+elsewhere) and ``to_directory(path)`` copies it out. A copy streams each file in chunks while
+hashing it, into a hidden partial name that is renamed into place only once the checksum
+matches: a damaged file never appears under its real name, and no file is held whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -58,15 +61,23 @@ class Checkpoint:
         if self._stored is None:
             shutil.copytree(self.path, dest, dirs_exist_ok=True)
             return dest
-        from mpckpt.restore import read_verified
+        from mpckpt.restore import stream_verified
 
         backend, name, manifest = self._stored
         for rel in manifest.files:
-            data = read_verified(backend, name, manifest, rel)
             target = os.path.join(dest, rel)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                f.write(data.numpy().data)
+            folder, base = os.path.split(target)
+            os.makedirs(folder, exist_ok=True)
+            # INVARIANT: a file appears under its own name only after its checksum matched
+            partial = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.partial")
+            try:
+                with open(partial, "wb") as f:
+                    stream_verified(backend, name, manifest, rel, f.write)
+                os.replace(partial, target)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+                raise
         return dest
 
     @contextlib.contextmanager

@@ -37,7 +37,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from mpckpt.restore import read_verified
+    from mpckpt.restore import stream_verified
 
     backend = _backend(args.root, args.storage_options)
     committed = scan(backend, clean=False)
@@ -51,7 +51,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         try:
             for rel in manifest.files:
-                read_verified(backend, checkpoint_name(step), manifest, rel)
+                stream_verified(backend, checkpoint_name(step), manifest, rel)  # in chunks, never whole
         except MpckptError as e:
             print(f"step {step}: {e}", file=sys.stderr)
             bad += 1
@@ -61,8 +61,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    for name in _shm.reap_orphans():
+    undecided: list[str] = []
+    for name in _shm.reap_orphans(undecided=undecided):
         print(f"removed orphaned shared memory {name}")
+    for name in undecided:
+        print(f"left shared memory {name} alone: it has no owner file (an mpckpt before owner files made it), "
+              "and only root in the host's PID namespace can see whether a process still uses it; run "
+              "`mpckpt gc` there, or remove it by hand once no trainer of an older mpckpt runs", file=sys.stderr)
     status = 0
     for root in args.roots:
         backend = _backend(root, args.storage_options)
