@@ -29,7 +29,15 @@ from mpckpt.errors import (
     UploadError,
     WaitTimeoutError,
 )
-from mpckpt.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, checkpoint_name, checksum, step_of
+from mpckpt.format.manifest import (
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    checkpoint_name,
+    checksum,
+    format_version_for,
+    step_of,
+)
 from mpckpt.storage import MANIFEST_NAME, Backend
 
 log = logging.getLogger("mpckpt")
@@ -265,7 +273,8 @@ class Ledger:
             data = content() if callable(content) else content
             self.backend.write_file(f"{record.staging}/{rel}", [data])
             files[rel] = FileEntry(len(data), checksum(data))
-        manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics)
+        manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics,
+                            format_version=format_version_for(record.kind))
         # INVARIANT: every data file is durable before the manifest is written (commit does it last).
         self.backend.commit(record.staging, record.name, manifest.to_bytes())
         return manifest

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
+
+import xxhash
 
 from mpckpt._arena import Arena, Slab
 from mpckpt._copier import copy_wave
@@ -28,7 +29,7 @@ from mpckpt._snapshot import FlatState
 from mpckpt._worker import UploadJob, WriteJob
 from mpckpt.config import BudgetPolicy, Config
 from mpckpt.errors import ConfigError, UploadError
-from mpckpt.format.manifest import FileEntry
+from mpckpt.format.manifest import USER_FILES, FileEntry
 from mpckpt.restore import SKELETON_VERSION
 from mpckpt.storage import Backend
 
@@ -226,20 +227,22 @@ class Snapshotter:
             record.jobs_left += len(files)
         done = self._file_done(record, "uploading")
         for rel in files:
-            payload = UploadJob(f"{record.staging}/{rel}", os.path.join(folder, rel))
+            # the user's files go under files/: no name of theirs can collide with ours
+            payload = UploadJob(f"{record.staging}/{USER_FILES}{rel}", os.path.join(folder, rel))
             size = os.path.getsize(payload.local_path)
             self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step,
                                  timeout_s=self.config.job_deadline_s(size)))
 
     def adopt_directory(self, record: Pending, folder: str, files: list[str]) -> None:
-        from mpckpt.format.manifest import checksum
-
-        target = os.path.join(self._root, record.staging or "")
+        """Commit a folder already on the root's filesystem by moving it to ``<staging>/files``."""
         for rel in files:
+            digest, size = xxhash.xxh3_64(), 0
             with open(os.path.join(folder, rel), "rb") as f:
-                data = f.read()
-            record.files[rel] = FileEntry(len(data), checksum(data))
-        shutil.rmtree(target)
+                while chunk := f.read(16 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+            record.files[USER_FILES + rel] = FileEntry(size, digest.hexdigest())
+        target = os.path.join(self._root, record.staging or "", USER_FILES.rstrip("/"))
         try:
             os.rename(folder, target)
         except OSError as e:

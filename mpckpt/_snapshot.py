@@ -252,16 +252,40 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
 
 # -- the way back ----------------------------------------------------------------------------
 
+def _index(value: Any, count: int, what: str) -> int:
+    """``value`` as an index into ``count`` items (never a negative one that Python would accept)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+        raise CorruptCheckpointError(f"{what} {str(value)[:40]!r} is not an index below {count}")
+    return value
+
+
+def _check_inside(shape: Any, stride: Any, start: int, available: int) -> None:
+    """A view of ``shape``/``stride`` from element ``start`` stays inside ``available`` elements
+    (checked here, not left to torch: meta tensors, which ``verify`` uses, do not check)."""
+    if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, *stride, start]):
+        raise ValueError("shape and stride must be lists of non-negative integers of one length")
+    if all(n > 0 for n in shape) and start + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) >= available:
+        raise ValueError(f"the view reaches past the {available} elements of its base")
+
+
 def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape)."""
+    """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape).
+
+    The leaves may be meta tensors: ``mpckpt verify`` checks the table without reading data.
+    """
+    if not isinstance(table, list):
+        raise CorruptCheckpointError("the tensor table is not a list")
     out = []
     for i, row in enumerate(table):
+        if not isinstance(row, dict):
+            raise CorruptCheckpointError(f"tensor table row {i} is not an object")
         if "leaf" in row:
-            out.append(leaves[row["leaf"]])
+            out.append(leaves[_index(row["leaf"], len(leaves), f"tensor table row {i}: leaf")])
             continue
         try:
             # every view of one base shares the base's memory (its own, aligned: see restore)
-            base = leaves[row["view_of"]]
+            base = leaves[_index(row["view_of"], len(leaves), f"tensor table row {i}: view_of")]
             dtype = _dtypes.dtype_from_name(row["dtype"])
             itemsize = torch.empty((), dtype=dtype).element_size()
             offset = row["byte_offset"]
@@ -269,27 +293,39 @@ def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> li
                 raise ValueError("misaligned view")
             usable = base.numel() - base.numel() % itemsize
             typed = base[:usable].view(dtype)
+            _check_inside(row["shape"], row["stride"], offset // itemsize, typed.numel())
             # as_strided takes an absolute storage offset (0 for a loaded base; kept general)
             out.append(torch.as_strided(typed, row["shape"], row["stride"], typed.storage_offset() + offset // itemsize))
-        except (KeyError, ValueError, RuntimeError, IndexError) as e:
+        except (KeyError, ValueError, RuntimeError, IndexError, TypeError, OverflowError) as e:
             raise CorruptCheckpointError(f"tensor table row {i} describes an invalid view ({e})") from e
     return out
 
 
-def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
-    """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in)."""
+def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False, check_only: bool = False) -> Any:
+    """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in).
+
+    With ``check_only`` every node is checked and pickled values are only decoded, never
+    unpickled (``mpckpt verify``).
+    """
+    try:
+        return _unflatten(node, tensors, allow_pickle, check_only)
+    except RecursionError as e:
+        raise CorruptCheckpointError("the skeleton tree is nested too deeply") from e
+
+
+def _unflatten(node: Any, tensors: list[torch.Tensor], allow_pickle: bool, check_only: bool) -> Any:
     if isinstance(node, list):
-        return [unflatten(x, tensors, allow_pickle=allow_pickle) for x in node]
+        return [_unflatten(x, tensors, allow_pickle, check_only) for x in node]
     if not isinstance(node, dict):
         return node
     tag = node.get(TAG)
     try:
         if tag == "dict":
-            return {k: unflatten(v, tensors, allow_pickle=allow_pickle) for k, v in zip(node["k"], node["v"], strict=True)}
+            return {k: _unflatten(v, tensors, allow_pickle, check_only) for k, v in zip(node["k"], node["v"], strict=True)}
         if tag == "tuple":
-            return tuple(unflatten(x, tensors, allow_pickle=allow_pickle) for x in node["v"])
+            return tuple(_unflatten(x, tensors, allow_pickle, check_only) for x in node["v"])
         if tag == "tensor":
-            return tensors[node["id"]]
+            return tensors[_index(node["id"], len(tensors), "tensor id")]
         if tag == "float":
             return float(node["v"])
         if tag == "bytes":
@@ -301,14 +337,17 @@ def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = Fa
         if tag == "device":
             return torch.device(node["v"])
         if tag == "pickle":
+            if check_only:
+                base64.b64decode(node["v"], validate=True)
+                return None
             if not allow_pickle:
                 raise StateError(
                     "this checkpoint holds a pickled value; loading it runs code from storage. "
                     "Pass allow_pickle=True only if you trust where it came from"
                 )
             return pickle.loads(base64.b64decode(node["v"]))
-    except StateError:
+    except (StateError, CorruptCheckpointError):
         raise
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"skeleton node {tag!r} is malformed ({e})") from e
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise CorruptCheckpointError(f"skeleton node {str(tag)[:40]!r} is malformed ({str(e)[:200]})") from e
     raise CorruptCheckpointError(f"skeleton holds an unknown node {str(node)[:80]!r}")

@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -49,9 +50,9 @@ class Checkpoint:
         return self._stored[2].step if self._stored else None
 
     def files(self) -> list[str]:
-        """Relative paths of the checkpoint's files."""
+        """Relative paths of the checkpoint's files (as the user wrote them)."""
         if self._stored is not None:
-            return sorted(r for r in self._stored[2].files if r != "manifest.json")
+            return sorted(self._stored[2].user_files())
         return local_files(self.path)
 
     def to_directory(self, path: str | os.PathLike[str] | None = None) -> str:
@@ -64,7 +65,7 @@ class Checkpoint:
         from mpckpt.restore import stream_verified
 
         backend, name, manifest = self._stored
-        for rel in manifest.files:
+        for rel, entry_name in manifest.user_files().items():
             target = os.path.join(dest, rel)
             folder, base = os.path.split(target)
             os.makedirs(folder, exist_ok=True)
@@ -72,7 +73,7 @@ class Checkpoint:
             partial = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.partial")
             try:
                 with open(partial, "wb") as f:
-                    stream_verified(backend, name, manifest, rel, f.write)
+                    stream_verified(backend, name, manifest, entry_name, f.write)
                 os.replace(partial, target)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
@@ -82,14 +83,20 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
-        """A local folder holding the files, valid inside the ``with`` block."""
+        """A local folder holding the files, valid inside the ``with`` block.
+
+        On local disk it is the checkpoint's own folder, handed out only after every file was
+        checked against the manifest and nothing else (no link, no stray file) is in it;
+        elsewhere a verified copy in a temporary folder.
+        """
         if self._stored is None:
             yield self.path
             return
-        backend, name, _ = self._stored
+        backend, name, manifest = self._stored
         local_root = getattr(backend, "root", None)
-        if local_root and os.path.isdir(os.path.join(local_root, name)):  # local disk: no copy
-            yield os.path.join(local_root, name)
+        if local_root and not any(e.ref for e in manifest.files.values()) and \
+                os.path.isdir(os.path.join(local_root, name)):  # local disk: no copy
+            yield _verified_in_place(backend, local_root, name, manifest)
             return
         dest = tempfile.mkdtemp(prefix="mpckpt-")
         try:
@@ -101,14 +108,54 @@ class Checkpoint:
         return f"Checkpoint({self.path!r})"
 
 
-def local_files(root: str) -> list[str]:
-    """Relative paths of the regular files under ``root``; refuses links that leave it."""
+def _verified_in_place(backend: Backend, local_root: str, name: str, manifest: Manifest) -> str:
+    """The folder of a local directory checkpoint, once it holds exactly what its manifest lists."""
+    from mpckpt.errors import CorruptCheckpointError
+    from mpckpt.restore import stream_verified
+
+    for rel in manifest.files:
+        stream_verified(backend, name, manifest, rel)
+    folder = os.path.join(local_root, name)
+    listed = set(manifest.files) | {"manifest.json"}
+    parents = {rel.rsplit("/", i)[0] for rel in listed for i in range(1, rel.count("/") + 1)}
+    for dirpath, dirs, files in os.walk(folder):  # never follows links: they are reported below
+        for entry in [*dirs, *files]:
+            full = os.path.join(dirpath, entry)
+            rel = os.path.relpath(full, folder).replace(os.sep, "/")
+            kind = os.lstat(full).st_mode
+            if stat.S_ISDIR(kind) and rel in parents or stat.S_ISREG(kind) and rel in listed:
+                continue
+            raise CorruptCheckpointError(f"{full}: not listed in the manifest (a link, a stray file or folder); "
+                                         "the checkpoint folder was changed after its commit", path=full)
+    return os.path.join(folder, manifest.user_prefix.rstrip("/")) if manifest.user_prefix else folder
+
+
+def local_files(root: str, *, links: bool = True) -> list[str]:
+    """Relative paths of the files under ``root``, for ``report``.
+
+    A link to a file inside ``root`` counts as that file (its bytes are uploaded), unless
+    ``links`` is False (NO_UPLOAD moves the folder as it is, and readers never follow links
+    inside a checkpoint root). Links that leave ``root``, links to folders, FIFOs, sockets and
+    devices are refused: a FIFO would block the upload, a linked folder would be skipped.
+    """
     out = []
     real_root = os.path.realpath(root)
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            full = os.path.join(dirpath, f)
-            if os.path.islink(full) and not os.path.realpath(full).startswith(real_root + os.sep):
-                raise ConfigError(f"{full} is a link that points outside {root}; copy the file in instead")
-            out.append(os.path.relpath(full, root).replace(os.sep, "/"))
+    for dirpath, dirs, files in os.walk(root):
+        for entry in [*dirs, *files]:
+            full = os.path.join(dirpath, entry)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                target = os.path.realpath(full)
+                if os.path.isdir(target):
+                    raise ConfigError(f"{full} is a link to a folder; copy the folder in instead")
+                if not target.startswith(real_root + os.sep):
+                    raise ConfigError(f"{full} is a link to {target}, outside {root}; copy the file in instead")
+                if not links:
+                    raise ConfigError(f"{full} is a link; mode=NO_UPLOAD moves the folder as it is and checkpoints "
+                                      "never hold links: use ASYNC or SYNC, which copy its bytes")
+            elif not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise ConfigError(f"{full} is not a regular file (a FIFO, socket or device); "
+                                  "a checkpoint holds regular files only")
+            if entry in files:
+                out.append(os.path.relpath(full, root).replace(os.sep, "/"))
     return sorted(out)

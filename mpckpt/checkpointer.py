@@ -277,7 +277,7 @@ class Checkpointer:
         if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
             raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
         step = self._check_step(step)
-        files = local_files(checkpoint.path)
+        files = local_files(checkpoint.path, links=mode is not UploadMode.NO_UPLOAD)
         if delete_local_after_upload is None:
             delete_local_after_upload = mode is UploadMode.ASYNC
         if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":

@@ -57,6 +57,7 @@ _HEAD_BYTES = 64 << 10    # first read of a shard; holds the header unless it is
 _SMALL = 1 << 20          # tensors smaller than this are read together and copied out
 _GATHER = 8 << 20         # most bytes one scratch read gathers
 SKELETON_VERSION = 1
+MAX_SKELETON_BYTES = 1 << 30  # 5M tensors' worth; a bigger one is not ours and is never allocated
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -178,8 +179,12 @@ def _open_shard(backend: Backend, name: str, manifest: Manifest, relpath: str, b
     return _Shard(location, entry, bytes(head), header)
 
 
-def _leaf(spec: dict[str, Any], shards: dict[str, _Shard]) -> torch.Tensor:
-    """Memory of its own for one leaf; tells its shards where each part's bytes go."""
+def _leaf(spec: dict[str, Any], shards: dict[str, _Shard], *, meta: bool = False) -> torch.Tensor:
+    """Memory of its own for one leaf; tells its shards where each part's bytes go.
+
+    With ``meta`` the leaf is a meta tensor (no memory, nothing to read): every check runs
+    all the same, so ``verify_checkpoint`` knows that loading would work.
+    """
     found = []
     for filename, key, start, end in spec["parts"]:
         shard = shards[filename]
@@ -203,12 +208,12 @@ def _leaf(spec: dict[str, Any], shards: dict[str, _Shard]) -> torch.Tensor:
     real_shape = list(spec["shape"]) + ([2] if original in (torch.complex128, torch.complex32) else [])
     if not raw and numel != math.prod(real_shape):
         raise CorruptCheckpointError(f"tensor {spec['name']!r}: stored {numel} elements, expected shape {real_shape}")
-    stored = torch.empty(numel, dtype=_dtypes.stored_dtype(codes.pop()))
-    memory, at = _memory(stored), 0
+    stored = torch.empty(numel, dtype=_dtypes.stored_dtype(codes.pop()), device="meta" if meta else "cpu")
+    memory, at = (None if meta else _memory(stored)), 0
     for shard, entry, _, _ in found:
         if entry.name in shard.wanted:
             raise ValueError(f"{shard.location}: tensor {entry.name!r} is used twice")
-        shard.wanted[entry.name] = memory[at:at + entry.nbytes]
+        shard.wanted[entry.name] = memory[at:at + entry.nbytes] if memory is not None else memoryview(b"")
         at += entry.nbytes
     if raw:
         return stored
@@ -268,12 +273,9 @@ def _read_leaves(backend: Backend, name: str, manifest: Manifest, leaves_spec: l
         shards = dict(zip(shard_names, opened, strict=True))
         try:
             leaves = [_leaf(spec, shards) for spec in leaves_spec]
-        except CorruptCheckpointError:
+        except _MISMATCH as e:
             _blame(backend, name, manifest, shard_names)
-            raise
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-            _blame(backend, name, manifest, shard_names)
-            raise CorruptCheckpointError(f"{name}/{SKELETON_NAME}: tensor table does not match the shards ({e})") from e
+            raise _skeleton_error(name, "its tensors do not match the shards", e) from e
         reads = [(shard, collections.deque(pool.submit(_read_chunk, backend, shard.location, c, bar)
                                            for c in _plan(shard))) for shard in shards.values()]
         for shard, futures in reads:
@@ -289,6 +291,72 @@ def _read_leaves(backend: Backend, name: str, manifest: Manifest, leaves_spec: l
     return leaves
 
 
+def _skeleton_error(name: str, what: str, e: BaseException) -> CorruptCheckpointError:
+    where = f"{name}/{SKELETON_NAME}"
+    return CorruptCheckpointError(f"{where}: {what} ({str(e)[:300]})", path=where)
+
+
+# what a hostile or damaged skeleton can make the interpretation of it raise
+_MISMATCH = (CorruptCheckpointError, KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError,
+             RecursionError)
+
+
+@dataclass
+class _Skeleton:
+    tree: Any
+    table: list[dict[str, Any]]
+    leaves: list[dict[str, Any]]
+    shard_names: list[str]
+
+
+def _read_skeleton(backend: Backend, name: str, manifest: Manifest) -> _Skeleton:
+    """The skeleton, size-bounded, verified and checked for shape before anything trusts it."""
+    where = f"{name}/{SKELETON_NAME}"
+    entry = manifest.files.get(SKELETON_NAME)
+    if entry is None:
+        raise CorruptCheckpointError(f"{name}: the manifest lists no {SKELETON_NAME}", path=where)
+    if entry.size > MAX_SKELETON_BYTES:
+        raise CorruptCheckpointError(f"{where}: the manifest says {entry.size} bytes, more than the "
+                                     f"{MAX_SKELETON_BYTES} a skeleton may have; not read", path=where)
+    raw = read_verified(backend, name, manifest, SKELETON_NAME)
+    try:
+        doc = json.loads(raw)
+        version = doc["version"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version {str(version)[:40]!r} is not an integer")
+        if version > SKELETON_VERSION:
+            raise CorruptCheckpointError(f"{where}: skeleton version {str(version)[:40]} is newer than this mpckpt",
+                                         path=where)
+        leaves, table = doc["leaves"], doc["table"]
+        if not isinstance(leaves, list) or not isinstance(table, list):
+            raise ValueError("leaves and table must be lists")
+        for spec in leaves:
+            parts = spec["parts"]
+            if not isinstance(spec["name"], str) or not isinstance(parts, list) or not all(
+                    isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in p[2:]) for p in parts):
+                raise ValueError(f"leaf {str(spec.get('name'))[:80]!r} has malformed parts")
+        shard_names = sorted({part[0] for spec in leaves for part in spec["parts"]})
+    except CorruptCheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise _skeleton_error(name, "malformed", e) from e
+    missing = [s for s in shard_names if s not in manifest.files]
+    if missing:
+        raise CorruptCheckpointError(f"{where} names shard {missing[0][:300]!r}, which the manifest does not list",
+                                     path=where)
+    return _Skeleton(doc["tree"], table, leaves, shard_names)
+
+
+def _build(name: str, skeleton: _Skeleton, leaves: list[torch.Tensor], *, allow_pickle: bool,
+           check_only: bool = False) -> Any:
+    try:
+        tensors = build_tensors(skeleton.table, leaves)
+        return unflatten(skeleton.tree, tensors, allow_pickle=allow_pickle, check_only=check_only)
+    except CorruptCheckpointError as e:
+        raise _skeleton_error(name, "malformed", e) from e
+
+
 def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False,
                     threads: int = 8) -> Any:
     """The plain nested state of checkpoint ``name``, every file verified."""
@@ -296,24 +364,25 @@ def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pi
         raise ConfigError(
             f"{name} is a directory checkpoint (files you wrote); read it with Checkpointer.checkpoint(step).as_directory()"
         )
-    if SKELETON_NAME not in manifest.files:
-        raise CorruptCheckpointError(f"{name}: the manifest lists no {SKELETON_NAME}", path=f"{name}/{SKELETON_NAME}")
-    raw = read_verified(backend, name, manifest, SKELETON_NAME)
-    try:
-        skeleton = json.loads(raw)
-        version = skeleton["version"]
-        leaves_spec, table, tree = skeleton["leaves"], skeleton["table"], skeleton["tree"]
-        shard_names = sorted({part[0] for spec in leaves_spec for part in spec["parts"]})
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{name}/{SKELETON_NAME} is malformed ({e})", path=f"{name}/{SKELETON_NAME}") from e
-    if version > SKELETON_VERSION:
-        raise CorruptCheckpointError(f"{name}/{SKELETON_NAME}: skeleton version {version} is newer than this mpckpt")
-    missing = [s for s in shard_names if s not in manifest.files]
-    if missing:
-        raise CorruptCheckpointError(f"{name}: shard {missing[0]} is not listed in the manifest", path=f"{name}/{missing[0]}")
-    leaves = _read_leaves(backend, name, manifest, leaves_spec, shard_names, threads=threads)
-    tensors = build_tensors(table, leaves)
-    return unflatten(tree, tensors, allow_pickle=allow_pickle)
+    skeleton = _read_skeleton(backend, name, manifest)
+    leaves = _read_leaves(backend, name, manifest, skeleton.leaves, skeleton.shard_names, threads=threads)
+    return _build(name, skeleton, leaves, allow_pickle=allow_pickle)
+
+
+def verify_checkpoint(backend: Backend, name: str, manifest: Manifest) -> None:
+    """Check that checkpoint ``name`` would load, in bounded memory: every file's size and
+    checksum (streamed), and for a state the skeleton, every shard header and how they fit
+    together (with meta tensors: nothing is allocated, nothing is unpickled)."""
+    if manifest.kind == "state":
+        skeleton = _read_skeleton(backend, name, manifest)
+        shards = {s: _open_shard(backend, name, manifest, s, None) for s in skeleton.shard_names}
+        try:
+            leaves = [_leaf(spec, shards, meta=True) for spec in skeleton.leaves]
+        except _MISMATCH as e:
+            raise _skeleton_error(name, "its tensors do not match the shards", e) from e
+        _build(name, skeleton, leaves, allow_pickle=False, check_only=True)
+    for rel in manifest.files:
+        stream_verified(backend, name, manifest, rel)
 
 
 def apply_state(target: Any, loaded: Any, path: str = "") -> Any:

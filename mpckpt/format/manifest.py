@@ -24,7 +24,8 @@ from mpckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from mpckpt.storage.base import check_relpath
 
 FORMAT_NAME = "mpckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this mpckpt reads; see ``format_version_for``
+USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (format version 2)
 CHECKSUM_ALGO = "xxh3_64"
 SKELETON_NAME = "skeleton.json"
 STEP_PREFIX = "step_"
@@ -49,6 +50,17 @@ def step_of(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if checkpoint_name(step) == name else None
+
+
+def format_version_for(kind: str) -> int:
+    """The format version a new manifest of ``kind`` is written in.
+
+    Version 2 keeps a directory checkpoint's files under ``files/``, so that no file of the
+    user's (their own ``manifest.json``) can collide with mpckpt's; an mpckpt that reads only
+    version 1 then refuses it rather than hand back a ``files/`` folder. A state is unchanged
+    and stays version 1, readable by every mpckpt.
+    """
+    return 2 if kind == "directory" else 1
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -78,6 +90,16 @@ class Manifest:
     created_unix: float = field(default_factory=time.time)
     world_size: int = 1
     format_version: int = FORMAT_VERSION
+
+    @property
+    def user_prefix(self) -> str:
+        """Where the user's files of a directory checkpoint are (``files/``; none before version 2)."""
+        return USER_FILES if self.kind == "directory" and self.format_version >= 2 else ""
+
+    def user_files(self) -> dict[str, str]:
+        """The user's relative path of each file of a directory checkpoint -> its manifest entry name."""
+        prefix = self.user_prefix
+        return {rel[len(prefix):]: rel for rel in self.files if rel.startswith(prefix)}
 
     def location(self, name: str, relpath: str) -> str:
         """Path (relative to the root) of file ``relpath`` of checkpoint ``name``."""

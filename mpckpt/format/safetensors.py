@@ -86,7 +86,7 @@ def parse_header(raw: bytes, *, path: str, file_size: int) -> ParsedHeader:
     n = header_length(raw, path=path, file_size=file_size)
     try:
         doc = json.loads(raw[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also too-deep nesting, too-long integers
         raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e})", path=path) from e
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object", path=path)

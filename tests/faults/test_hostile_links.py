@@ -426,7 +426,7 @@ def test_a_linked_folder_inside_a_checkpoint_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with mpckpt.Checkpointer(root, workers=1) as ckpt:
         ckpt.report({"loss": 1.0}, Checkpoint.from_directory(export), step=5, mode="sync")
-    folder = root / "step_0000000005"
+    folder = root / "step_0000000005" / "files"  # where a directory checkpoint keeps the user's files
     outside = tmp_path / "outside"
     shutil.copytree(folder / "sub", outside)  # the very same bytes: checksums would match
     shutil.rmtree(folder / "sub")
@@ -434,7 +434,7 @@ def test_a_linked_folder_inside_a_checkpoint_is_refused(tmp_path: Path) -> None:
     r = cli("verify", root, "--step", "5")
     assert r.returncode == 1 and "symbolic link" in r.stderr and "Traceback" not in r.stderr, r
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{folder / 'sub'} is a symbolic link")):
-        LocalBackend(str(root)).read_bytes("step_0000000005/sub/data.bin")
+        LocalBackend(str(root)).read_bytes("step_0000000005/files/sub/data.bin")
 
 
 @pytest.mark.parametrize("rel", [f"{STEP2}/{'x' * 300}", f"{STEP2}/skeleton.json/x", f"{STEP2}/manifest.json/x"],

@@ -303,7 +303,7 @@ def test_no_upload_moves_a_folder_into_place(tmp_path):
     with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
         ckpt.report({"loss": 1.0}, checkpoint=mpckpt.Checkpoint.from_directory(src), step=0, mode="no_upload")
         assert ckpt.latest_step == 0
-    assert (tmp_path / "run" / "step_0000000000" / "a.txt").read_text() == "hello"
+    assert (tmp_path / "run" / "step_0000000000" / "files" / "a.txt").read_text() == "hello"
 
 
 def test_keep_last_deletes_old_checkpoints(tmp_path):

@@ -302,6 +302,7 @@ def _record_read_sizes(monkeypatch) -> list[int]:
 def test_verify_command_streams_and_catches_a_flipped_byte(tmp_path, monkeypatch, capsys):
     _save(tmp_path, _trained_state())
     monkeypatch.setattr(restore, "_STREAM_CHUNK", 4096)
+    monkeypatch.setattr(restore, "_HEAD_BYTES", 4096)  # verify also parses every shard header
     sizes = _record_read_sizes(monkeypatch)
     assert main(["verify", str(tmp_path)]) == 0
     assert "step 0: ok" in capsys.readouterr().out
