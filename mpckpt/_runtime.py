@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import threading
 import traceback
 import warnings
@@ -45,8 +46,9 @@ _held_lock = threading.Lock()
 
 def caller_location() -> str:
     """``file:line`` of the first frame outside mpckpt (where the user opened the Checkpointer)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     for frame in reversed(traceback.extract_stack()):
-        if "/mpckpt/" not in frame.filename.replace("\\", "/"):
+        if not os.path.abspath(frame.filename).startswith(package):
             return f"{frame.filename}:{frame.lineno}"
     return "<unknown>"
 
