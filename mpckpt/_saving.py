@@ -249,8 +249,6 @@ class Snapshotter:
             raise ConfigError(f"mode=NO_UPLOAD: cannot move {folder} into {self.backend.url} ({e.strerror}); "
                               "it must be on the same filesystem, or use ASYNC") from e
 
-    # -- waiting and errors -------------------------------------------------------------------
-
 @dataclasses.dataclass
 class _Reuse:
     """Shard files of this save that are referenced, not written, and the leaves they hold."""

@@ -112,11 +112,12 @@ def _verified_in_place(backend: Backend, local_root: str, name: str, manifest: M
     """The folder of a local directory checkpoint, once it holds exactly what its manifest lists."""
     from mpckpt.errors import CorruptCheckpointError
     from mpckpt.restore import stream_verified
+    from mpckpt.storage import MANIFEST_NAME
 
     for rel in manifest.files:
         stream_verified(backend, name, manifest, rel)
     folder = os.path.join(local_root, name)
-    listed = set(manifest.files) | {"manifest.json"}
+    listed = set(manifest.files) | {MANIFEST_NAME}
     parents = {rel.rsplit("/", i)[0] for rel in listed for i in range(1, rel.count("/") + 1)}
     for dirpath, dirs, files in os.walk(folder):  # never follows links: they are reported below
         for entry in [*dirs, *files]:
