@@ -8,15 +8,15 @@ and ``abfs://container/prefix``. Credentials come from the storage options
 else from ``azure.identity.DefaultAzureCredential`` when that package is installed. They never
 appear in ``url``, reprs or messages.
 
-Commit protocol (object store): ``stage(name)`` returns ``name``; shards are uploaded as
-blocks straight from shared memory (memoryview slices, never one copy of the shard) in
-parallel under deterministic block ids, so a retried block replaces its earlier attempt;
-``commit_block_list`` publishes each shard. ``commit`` uploads ``manifest.json`` last with
-``If-None-Match: *``, which Azure evaluates atomically: a committed manifest is never replaced.
+The manifest-last commit protocol and its invariants live in ``object_store.py``; this module
+supplies the Azure primitives. Shards are uploaded as blocks straight from shared memory
+(memoryview slices, never one copy of the shard) in parallel under deterministic block ids, so
+a retried block replaces its earlier attempt; ``commit_block_list`` publishes each shard. The
+manifest's create-only put is ``If-None-Match: *``, which Azure evaluates atomically.
 
 The writer lock is the JSON lease of ``_lease.py`` kept with ETag conditions (atomic
-compare-and-swap). Every request goes through ``_retry.retry``; the SDK's own retries are off
-so there is exactly one retry policy.
+compare-and-swap). The SDK's own retries are off so there is exactly one retry policy (the
+base's ``_call``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import io
 import math
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any
 
 from azure.core import MatchConditions
 from azure.core.exceptions import (
@@ -44,7 +44,6 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 
 from mpckpt.errors import (
     CheckpointNotFoundError,
-    CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
     MpckptError,
@@ -53,16 +52,13 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import redact_url, scrub
-from mpckpt.storage._retry import DEFAULT_ATTEMPTS, PROGRAMMING_ERRORS, retry
-from mpckpt.storage.base import MANIFEST_NAME, BackendSpec, Buffer, check_relpath
-
-T = TypeVar("T")
+from mpckpt.storage.base import Buffer
+from mpckpt.storage.object_store import MPCKPT_OPTIONS, ObjectStoreBackend, positive_int
 
 DEFAULT_BLOCK_SIZE = 8 << 20
 DEFAULT_CONCURRENCY = 8
 MAX_BLOCKS = 50_000  # Azure's limit of blocks per blob
 _CREDENTIAL_OPTIONS = ("connection_string", "account_url", "account_name", "account_key", "sas_token", "credential")
-_MPCKPT_OPTIONS = ("create", "lease_s", "retry_attempts", "block_size", "max_concurrency", "client_kwargs")
 
 
 def parse_url(url: str) -> tuple[str, str | None, str]:
@@ -77,13 +73,6 @@ def parse_url(url: str) -> tuple[str, str | None, str]:
         raise ConfigError(f"{redact_url(url)} names no container; use az://container/prefix "
                           "or abfs://container@account.dfs.core.windows.net/prefix")
     return container, account, prefix.strip("/")
-
-
-def _positive_int(options: Mapping[str, Any], key: str, default: int) -> int:
-    value = options.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"storage option {key}={value!r} must be a positive integer")
-    return value
 
 
 def service_client(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> BlobServiceClient:
@@ -219,25 +208,24 @@ class _AzureLeaseStore:
         self._b._call(f"delete {self._what}", delete)
 
 
-class AzureBlobBackend:
+class AzureBlobBackend(ObjectStoreBackend):
     """Checkpoints under ``container/prefix`` of one Azure storage account."""
+
+    own_options = (*MPCKPT_OPTIONS, "block_size", "max_concurrency", "client_kwargs")
+    client_errors = (AzureError, OSError)
+    exists_errors = (ResourceExistsError,)
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *,
                  environ: Mapping[str, str] | None = None) -> None:
-        self._options = dict(options or {})
-        unknown = set(self._options) - set(_CREDENTIAL_OPTIONS) - set(_MPCKPT_OPTIONS)
+        unknown = set(options or {}) - set(_CREDENTIAL_OPTIONS) - set(self.own_options)
         if unknown:
             raise ConfigError(f"{redact_url(url)}: unknown Azure storage options {sorted(unknown)}; "
-                              f"known: {sorted(_CREDENTIAL_OPTIONS + _MPCKPT_OPTIONS)}")
-        self._spec_root = url
-        self._scheme = url.partition("://")[0].lower()
-        self.url = redact_url(url).rstrip("/")
-        self._container_name, _account, self._prefix = parse_url(url)
-        self._create = bool(self._options.get("create", False))
-        self._lease_s = _lease.parse_lease_s(self._options.get("lease_s", _lease.DEFAULT_LEASE_S))
-        self._attempts = _positive_int(self._options, "retry_attempts", DEFAULT_ATTEMPTS)
-        self._block_size = _positive_int(self._options, "block_size", DEFAULT_BLOCK_SIZE)
-        self._concurrency = _positive_int(self._options, "max_concurrency", DEFAULT_CONCURRENCY)
+                              f"known: {sorted(_CREDENTIAL_OPTIONS + self.own_options)}")
+        self._container_name, _account, prefix = parse_url(url)
+        super().__init__(url, options)
+        self._root = prefix
+        self._block_size = positive_int(self._options, "block_size", DEFAULT_BLOCK_SIZE)
+        self._concurrency = positive_int(self._options, "max_concurrency", DEFAULT_CONCURRENCY)
         env = os.environ if environ is None else environ
         self._secrets = [str(v) for k, v in self._options.items() if k in _CREDENTIAL_OPTIONS and v]
         self._secrets += [env[k] for k in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY",
@@ -251,26 +239,9 @@ class AzureBlobBackend:
                               "check the connection string or account URL") from e
         self._container: ContainerClient = service.get_container_client(self._container_name)
 
-    @classmethod
-    def from_spec(cls, spec: BackendSpec) -> AzureBlobBackend:
-        return cls(spec.root, spec.options)
-
-    def spec(self) -> BackendSpec:
-        return BackendSpec(self._scheme, self._spec_root, dict(self._options))
-
-    def __repr__(self) -> str:
-        return f"AzureBlobBackend({self.url!r})"
-
-    # -- helpers --------------------------------------------------------------------------
-    def _name(self, relpath: str) -> str:
-        rel = check_relpath(relpath)
-        return f"{self._prefix}/{rel}" if self._prefix else rel
-
+    # -- primitives (the protocol itself is ObjectStoreBackend's) ------------------------
     def _blob(self, relpath: str) -> Any:
-        return self._container.get_blob_client(self._name(relpath))
-
-    def _show(self, relpath: str) -> str:
-        return f"{self.url}/{relpath}"
+        return self._container.get_blob_client(self._key(relpath))
 
     def _translate(self, e: Exception, what: str) -> MpckptError:
         detail = scrub(f"{type(e).__name__}: {getattr(e, 'message', None) or e}", self._secrets)
@@ -285,30 +256,45 @@ class AzureBlobBackend:
             return StorageError(f"{what}: not authorised ({detail}); check the credentials and their permissions")
         return StorageError(f"{what}: {detail}")
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one request with error translation and bounded retries."""
-        def attempt() -> T:
-            try:
-                return fn()
-            except (MpckptError, _lease.LeaseLost, *PROGRAMMING_ERRORS):
-                raise
-            except (AzureError, OSError) as e:
-                raise self._translate(e, what) from e
-        return retry(attempt, what=what, attempts=self._attempts)
+    def _create_object(self, relpath: str, data: bytes) -> None:
+        # only commit calls this, for the manifest (INVARIANT: manifest is written last)
+        self._blob(relpath).upload_blob(data, overwrite=False)  # If-None-Match: *
+
+    def _get_object(self, relpath: str) -> bytes:
+        return bytes(self._blob(relpath).download_blob().readall())
+
+    def _delete_blob_quiet(self, name: str) -> None:
+        try:
+            self._container.delete_blob(name)
+        except ResourceNotFoundError:
+            pass
+
+    def _delete_object(self, relpath: str) -> None:
+        self._delete_blob_quiet(self._key(relpath))
+
+    def _delete_prefix(self, relpath: str, what: str) -> None:
+        # blob by blob, in parallel, each retried (and named in errors) on its own
+        self._delete_names(self._blob_names(relpath))
+
+    def _upload(self, relpath: str, local_path: str) -> None:
+        blob = self._blob(relpath)
+
+        def put() -> None:
+            with open(local_path, "rb") as f:
+                blob.upload_blob(f, overwrite=True, max_concurrency=self._concurrency)
+        self._call(f"upload {local_path} to {self._show(relpath)}", put)
+
+    def _lease_store(self) -> _AzureLeaseStore:
+        return _AzureLeaseStore(self)
 
     def _blob_names(self, relpath: str) -> list[str]:
-        prefix = self._name(relpath) + "/"
+        prefix = self._key(relpath) + "/"
         return self._call(f"list {self._show(relpath)}",
                           lambda: [b.name for b in self._container.list_blobs(name_starts_with=prefix)])
 
     def _delete_names(self, names: Sequence[str]) -> None:
         def delete(name: str) -> None:
-            def one() -> None:
-                try:
-                    self._container.delete_blob(name)
-                except ResourceNotFoundError:
-                    pass
-            self._call(f"delete {self.url}/{name}", one)
+            self._call(f"delete {self.url}/{name}", lambda: self._delete_blob_quiet(name))
         with ThreadPoolExecutor(max_workers=max(1, min(self._concurrency, len(names)))) as pool:
             for future in [pool.submit(delete, n) for n in names]:
                 future.result()
@@ -350,18 +336,7 @@ class AzureBlobBackend:
             probe.upload_blob(b"mpckpt write probe", overwrite=True)
         probe.delete_blob()
 
-    def acquire_writer_lock(self, owner: str) -> _lease.LeaseLock:
-        lock = _lease.LeaseLock(_AzureLeaseStore(self), owner=owner, where=self.url, lease_s=self._lease_s)
-        return lock.acquire()
-
     # -- writing ------------------------------------------------------------------------
-    def stage(self, name: str) -> str:
-        if self.exists(f"{name}/{MANIFEST_NAME}"):
-            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
-        # One request only: stage runs inside save(). Leftovers of a failed attempt are removed
-        # by abort() and, after a crash, by the recovery scan at the next open.
-        return name
-
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
         total = sum(len(v) for v in views)
@@ -395,52 +370,9 @@ class AzureBlobBackend:
                 f.result()
         self._call(f"{what} (commit blocks)", lambda: blob.commit_block_list([BlobBlock(block_id=i) for i in ids]))
 
-    def upload_file(self, relpath: str, local_path: str) -> None:
-        if not os.path.isfile(local_path):
-            raise CheckpointNotFoundError(f"cannot upload {local_path}: it does not exist")
-        blob = self._blob(relpath)
-
-        def put() -> None:
-            with open(local_path, "rb") as f:
-                blob.upload_blob(f, overwrite=True, max_concurrency=self._concurrency)
-        self._call(f"upload {local_path} to {self._show(relpath)}", put)
-
-    def commit(self, staging: str, name: str, manifest: bytes) -> None:
-        if check_relpath(staging) != check_relpath(name):
-            raise ConfigError(f"{self.url}: object stores stage in place; staging {staging!r} must equal {name!r}")
-        blob = self._blob(f"{name}/{MANIFEST_NAME}")
-        data = bytes(manifest)
-        retried = False
-
-        def put() -> None:
-            nonlocal retried
-            try:
-                # INVARIANT: the manifest is written last, create-only (If-None-Match: *).
-                blob.upload_blob(data, overwrite=False)
-            except ResourceExistsError as e:
-                if retried and self._read_quiet(blob) == data:
-                    return  # our own earlier attempt landed before its reply was lost
-                raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; not replaced") from e
-            except Exception:
-                retried = True
-                raise
-        self._call(f"commit {self._show(name)}", put)
-
-    @staticmethod
-    def _read_quiet(blob: Any) -> bytes | None:
-        try:
-            return blob.download_blob().readall()
-        except Exception:  # noqa: BLE001 - only used to recognise our own write
-            return None
-
-    def abort(self, staging: str) -> None:
-        if self.exists(f"{staging}/{MANIFEST_NAME}"):
-            return  # committed (by us or another writer): never removed by an abort
-        self._delete_names(self._blob_names(staging))
-
     # -- reading ------------------------------------------------------------------------
     def list_names(self) -> list[str]:
-        start = f"{self._prefix}/" if self._prefix else ""
+        start = f"{self._root}/" if self._root else ""
 
         def walk() -> list[str]:
             items = self._container.walk_blobs(name_starts_with=start or None, delimiter="/")
@@ -466,9 +398,7 @@ class AzureBlobBackend:
                 raise
             if downloader.size > limit:
                 total = str(downloader.properties.content_range or "").rpartition("/")[2]
-                raise CorruptCheckpointError(
-                    f"{show} is {total if total.isdigit() else f'more than {limit}'} bytes, above the {limit} "
-                    "such a file may have; it is damaged or not written by mpckpt", path=show)
+                raise self._too_big(relpath, f"{total if total.isdigit() else f'more than {limit}'} bytes", limit)
             return bytes(downloader.readall())
         return self._call(f"read {show}", get)
 
@@ -489,8 +419,7 @@ class AzureBlobBackend:
             return downloader.readinto(_ViewStream(view, writable=True))
         got = self._call(f"read {show} at {offset}", get)
         if got < len(view):
-            raise CorruptCheckpointError(f"{show} is truncated: wanted bytes up to {offset + len(view)}, "
-                                         f"file ends at {offset + got}", path=show)
+            raise self._truncated(relpath, offset + len(view), offset + got)
 
     def size(self, relpath: str) -> int:
         blob = self._blob(relpath)
@@ -499,12 +428,3 @@ class AzureBlobBackend:
     def exists(self, relpath: str) -> bool:
         blob = self._blob(relpath)
         return self._call(f"check {self._show(relpath)}", lambda: bool(blob.exists()))
-
-    # -- housekeeping -------------------------------------------------------------------
-    def delete(self, name: str) -> None:
-        # INVARIANT: the manifest goes first, so the checkpoint stops existing at once.
-        self._delete_names([self._name(f"{name}/{MANIFEST_NAME}")])
-        self._delete_names(self._blob_names(name))
-
-    def cleanup_incomplete(self) -> list[str]:
-        return []  # staging is the final prefix; the ledger deletes manifest-less folders

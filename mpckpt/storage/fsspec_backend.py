@@ -1,19 +1,15 @@
 """Checkpoints in any fsspec filesystem (``memory://``, ``s3://`` via s3fs, ``gs://`` ...).
 
-Commit protocol (object store): there is no rename, so ``stage(name)`` returns ``name`` itself
-after clearing what a failed earlier attempt left there, data files are written straight to
-their final keys, and ``commit`` writes ``manifest.json`` last with a create-only condition.
-Readers ignore folders without a manifest, so a half-written checkpoint never exists.
+The manifest-last commit protocol and its invariants live in ``object_store.py``; this module
+supplies the fsspec primitives. How atomic its "create-only" put is depends on the filesystem:
+s3fs sends ``If-None-Match: *`` (AWS S3, moto and most S3-compatible stores honour it);
+``memory://`` checks and sets in one call; other filesystems get check-then-write, so
+``commit`` also checks for the manifest first (``check_before_commit``).
 
-How atomic "create-only" is depends on the filesystem: s3fs sends ``If-None-Match: *`` (AWS S3,
-moto and most S3-compatible stores honour it); ``memory://`` checks and sets in one call; other
-filesystems get check-then-write, which two writers racing within one round trip could both
-pass. The single-writer lease (``_lease.py``) is what keeps two writers apart in the first place.
-
-Every client call goes through ``_retry.retry``: throttling, 5xx and connection errors become
-``TransientStorageError`` and are retried with backoff; missing files become
-``CheckpointNotFoundError``. Storage options may hold credentials: they never appear in
-``url``, reprs or messages (``_redact``).
+Throttling, 5xx and connection errors of fsspec and its client libraries become
+``TransientStorageError`` (retried); missing files become ``CheckpointNotFoundError``. Options
+other than ``MPCKPT_OPTIONS`` are handed to fsspec as storage options; values of those whose
+name suggests a credential are scrubbed from every message.
 """
 
 from __future__ import annotations
@@ -23,29 +19,25 @@ import inspect
 import posixpath
 import secrets
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from mpckpt.errors import (
     CheckpointNotFoundError,
-    CommitConflictError,
     ConfigError,
-    CorruptCheckpointError,
     MpckptError,
     StorageError,
     TransientStorageError,
 )
 from mpckpt.storage import _lease
-from mpckpt.storage._redact import redact_url, scrub
-from mpckpt.storage._retry import DEFAULT_ATTEMPTS, PROGRAMMING_ERRORS, retry
-from mpckpt.storage.base import MANIFEST_NAME, BackendSpec, Buffer, check_relpath
+from mpckpt.storage._redact import scrub
+from mpckpt.storage._retry import PROGRAMMING_ERRORS
+from mpckpt.storage.base import Buffer
+from mpckpt.storage.object_store import MPCKPT_OPTIONS as MPCKPT_OPTIONS  # the options mpckpt reads itself
+from mpckpt.storage.object_store import ObjectStoreBackend
 
-T = TypeVar("T")
-
-#: Options mpckpt reads itself; everything else is handed to fsspec as storage_options.
-MPCKPT_OPTIONS = ("create", "lease_s", "retry_attempts")
 _READ_CHUNK = 64 << 20  # ranged reads in pieces: bounded temporary memory
 _WRITE_CHUNK = 8 << 20  # fits s3fs's buffer so a big part never lands in it whole
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "connection", "session")
@@ -116,7 +108,7 @@ class _FsspecLeaseStore:
 
     def __init__(self, backend: FsspecBackend) -> None:
         self._b = backend
-        self._path = backend._path(_lease.LOCK_NAME)
+        self._path = backend._key(_lease.LOCK_NAME)
         self.compare_and_swap = backend._is_s3
 
     def load(self) -> _lease.LeaseObject | None:
@@ -153,21 +145,16 @@ class _FsspecLeaseStore:
                       lambda: self._b._rm_quiet(self._path))
 
 
-class FsspecBackend:
+class FsspecBackend(ObjectStoreBackend):
     """Checkpoints under one root URL of an fsspec filesystem."""
 
+    # s3fs honours If-None-Match, but other filesystems and some S3-compatible stores do not
+    check_before_commit = True
+
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
-        self._options = dict(options or {})
-        fs_options = {k: v for k, v in self._options.items() if k not in MPCKPT_OPTIONS}
-        self._create = bool(self._options.get("create", False))
-        self._lease_s = _lease.parse_lease_s(self._options.get("lease_s", _lease.DEFAULT_LEASE_S))
-        self._attempts = self._options.get("retry_attempts", DEFAULT_ATTEMPTS)
-        if isinstance(self._attempts, bool) or not isinstance(self._attempts, int) or self._attempts < 1:
-            raise ConfigError(f"storage option retry_attempts={self._attempts!r} must be a positive integer")
+        super().__init__(url, options)
+        fs_options = {k: v for k, v in self._options.items() if k not in self.own_options}
         self._secrets = _secret_values(self._options)
-        self._spec_root = url
-        self._scheme = url.partition("://")[0].lower()
-        self.url = redact_url(url).rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **fs_options)
         except (ImportError, ValueError, TypeError) as e:
@@ -183,24 +170,7 @@ class FsspecBackend:
         except (TypeError, ValueError):
             self._native_create = False
 
-    @classmethod
-    def from_spec(cls, spec: BackendSpec) -> FsspecBackend:
-        return cls(spec.root, spec.options)
-
-    def spec(self) -> BackendSpec:
-        return BackendSpec(self._scheme, self._spec_root, dict(self._options))
-
-    def __repr__(self) -> str:
-        return f"FsspecBackend({self.url!r})"
-
-    # -- helpers --------------------------------------------------------------------------
-    def _path(self, relpath: str) -> str:
-        rel = check_relpath(relpath)
-        return f"{self._root}/{rel}" if self._root else rel
-
-    def _show(self, relpath: str) -> str:
-        return f"{self.url}/{relpath}"
-
+    # -- primitives (the protocol itself is ObjectStoreBackend's) ------------------------
     def _translate(self, e: Exception, what: str) -> MpckptError:
         detail = scrub(f"{type(e).__name__}: {e}", self._secrets)
         if isinstance(e, FileNotFoundError):
@@ -210,17 +180,6 @@ class FsspecBackend:
         if isinstance(e, PermissionError):
             return StorageError(f"{what}: permission denied ({detail}); check the credentials and bucket policy")
         return StorageError(f"{what}: {detail}")
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one client operation with error translation and bounded retries."""
-        def attempt() -> T:
-            try:
-                return fn()
-            except (MpckptError, _lease.LeaseLost, *PROGRAMMING_ERRORS):
-                raise
-            except Exception as e:
-                raise self._translate(e, what) from e
-        return retry(attempt, what=what, attempts=self._attempts)
 
     def create_only(self, path: str, data: bytes) -> None:
         """Write ``data`` at ``path`` unless something is there (``FileExistsError`` then).
@@ -237,6 +196,13 @@ class FsspecBackend:
             raise FileExistsError(path)
         self.fs.pipe_file(path, data)
 
+    def _create_object(self, relpath: str, data: bytes) -> None:
+        # only commit calls this, for the manifest (INVARIANT: manifest is written last)
+        self.create_only(self._key(relpath), data)
+
+    def _get_object(self, relpath: str) -> bytes:
+        return bytes(self.fs.cat_file(self._key(relpath)))
+
     def _rm_quiet(self, path: str, recursive: bool = False) -> None:
         try:
             self.fs.rm(path, recursive=recursive)
@@ -244,9 +210,23 @@ class FsspecBackend:
             pass
         self.fs.invalidate_cache(path)
 
+    def _delete_object(self, relpath: str) -> None:
+        self._rm_quiet(self._key(relpath))
+
+    def _delete_prefix(self, relpath: str, what: str) -> None:
+        path = self._key(relpath)
+        self._call(what, lambda: self._rm_quiet(path, recursive=True))
+
+    def _upload(self, relpath: str, local_path: str) -> None:
+        path = self._key(relpath)
+        self._call(f"upload {local_path} to {self._show(relpath)}", lambda: self.fs.put_file(local_path, path))
+
+    def _lease_store(self) -> _FsspecLeaseStore:
+        return _FsspecLeaseStore(self)
+
     # -- set-up --------------------------------------------------------------------------
     def check_writable(self) -> None:
-        probe = self._path(f".mpckpt.probe.{secrets.token_hex(4)}")
+        probe = self._key(f".mpckpt.probe.{secrets.token_hex(4)}")
         try:
             if self._create:
                 self.fs.makedirs(self._root, exist_ok=True)
@@ -268,20 +248,9 @@ class FsspecBackend:
             raise ConfigError(f"{self.url} is not writable: {scrub(f'{type(e).__name__}: {e}', self._secrets)}; "
                               f"{hint}") from e
 
-    def acquire_writer_lock(self, owner: str) -> _lease.LeaseLock:
-        lock = _lease.LeaseLock(_FsspecLeaseStore(self), owner=owner, where=self.url, lease_s=self._lease_s)
-        return lock.acquire()
-
     # -- writing ------------------------------------------------------------------------
-    def stage(self, name: str) -> str:
-        if self.exists(f"{name}/{MANIFEST_NAME}"):
-            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
-        # One request only: stage runs inside save(). Leftovers of a failed attempt are removed
-        # by abort() and, after a crash, by the recovery scan at the next open.
-        return name
-
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
-        path = self._path(relpath)
+        path = self._key(relpath)
 
         def put() -> None:
             f = self.fs.open(path, "wb")
@@ -296,49 +265,6 @@ class FsspecBackend:
             f.close()
         self._call(f"write {self._show(relpath)}", put)
 
-    def upload_file(self, relpath: str, local_path: str) -> None:
-        import os
-
-        if not os.path.isfile(local_path):
-            raise CheckpointNotFoundError(f"cannot upload {local_path}: it does not exist")
-        path = self._path(relpath)
-        self._call(f"upload {local_path} to {self._show(relpath)}", lambda: self.fs.put_file(local_path, path))
-
-    def commit(self, staging: str, name: str, manifest: bytes) -> None:
-        if check_relpath(staging) != check_relpath(name):
-            raise ConfigError(f"{self.url}: object stores stage in place; staging {staging!r} must equal {name!r}")
-        rel = f"{name}/{MANIFEST_NAME}"
-        path = self._path(rel)
-        if self.exists(rel):  # also catches stores that ignore the create-only condition
-            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; not replaced")
-        retried = False
-
-        def put() -> None:
-            nonlocal retried
-            try:
-                # INVARIANT: the manifest is written last, create-only.
-                self.create_only(path, bytes(manifest))
-            except FileExistsError as e:
-                if retried and self._read_quiet(path) == bytes(manifest):
-                    return  # our own earlier attempt landed before its reply was lost
-                raise CommitConflictError(f"checkpoint {name} appeared in {self.url} while committing; "
-                                          "not replaced") from e
-            except Exception:
-                retried = True
-                raise
-        self._call(f"commit {self._show(name)}", put)
-
-    def _read_quiet(self, path: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(path)
-        except Exception:  # noqa: BLE001 - only used to recognise our own write
-            return None
-
-    def abort(self, staging: str) -> None:
-        if self.exists(f"{staging}/{MANIFEST_NAME}"):
-            return  # committed (by us or another writer): never removed by an abort
-        self._call(f"remove {self._show(staging)}", lambda: self._rm_quiet(self._path(staging), recursive=True))
-
     # -- reading ------------------------------------------------------------------------
     def list_names(self) -> list[str]:
         def ls() -> list[str]:
@@ -351,7 +277,7 @@ class FsspecBackend:
         return self._call(f"list {self.url}", ls)
 
     def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
-        path = self._path(relpath)
+        path = self._key(relpath)
         what = f"read {self._show(relpath)}"
         if max_bytes is None:
             return self._call(what, lambda: self.fs.cat_file(path))
@@ -362,12 +288,11 @@ class FsspecBackend:
             if len(data) <= max_bytes:
                 return bytes(data)
         found = f"{size} bytes" if size > max_bytes else f"more than {max_bytes} bytes (it grew while read)"
-        raise CorruptCheckpointError(f"{self._show(relpath)} is {found}, above the {max_bytes} such a file may have; "
-                                     "it is damaged or not written by mpckpt", path=self._show(relpath))
+        raise self._too_big(relpath, found, max_bytes)
 
     def _read_range(self, relpath: str, start: int, length: int) -> bytes:
         """Up to ``length`` bytes from ``start``; fewer (maybe none) where the file ends first."""
-        path = self._path(relpath)
+        path = self._key(relpath)
         try:
             return self._call(f"read {self._show(relpath)} at {start}",
                               lambda: self.fs.cat_file(path, start=start, end=start + length))
@@ -383,13 +308,11 @@ class FsspecBackend:
             start = offset + pos
             data = self._read_range(relpath, start, want)
             if len(data) < want:
-                raise CorruptCheckpointError(
-                    f"{self._show(relpath)} is truncated: wanted bytes up to {offset + len(view)}, "
-                    f"file ends at {start + len(data)}", path=self._show(relpath))
+                raise self._truncated(relpath, offset + len(view), start + len(data))
             view[pos:pos + want] = data
 
     def size(self, relpath: str) -> int:
-        path = self._path(relpath)
+        path = self._key(relpath)
 
         def info() -> int:
             self.fs.invalidate_cache(path)
@@ -400,20 +323,9 @@ class FsspecBackend:
         return self._call(f"stat {self._show(relpath)}", info)
 
     def exists(self, relpath: str) -> bool:
-        path = self._path(relpath)
+        path = self._key(relpath)
 
         def exists() -> bool:
             self.fs.invalidate_cache(path)
             return bool(self.fs.exists(path))
         return self._call(f"check {self._show(relpath)}", exists)
-
-    # -- housekeeping -------------------------------------------------------------------
-    def delete(self, name: str) -> None:
-        prefix = self._path(name)
-        # INVARIANT: the manifest goes first, so the checkpoint stops existing at once.
-        self._call(f"delete {self._show(name)}/{MANIFEST_NAME}",
-                   lambda: self._rm_quiet(f"{prefix}/{MANIFEST_NAME}"))
-        self._call(f"delete {self._show(name)}", lambda: self._rm_quiet(prefix, recursive=True))
-
-    def cleanup_incomplete(self) -> list[str]:
-        return []  # staging is the final prefix; the ledger deletes manifest-less folders
