@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,35 +20,21 @@ from typing import Any
 import xxhash
 
 from mpckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from mpckpt.storage.base import check_relpath
+from mpckpt.format.names import (  # noqa: F401 -- re-exported: the names of the format
+    MANIFEST_NAME,
+    SKELETON_NAME,
+    STEP_PREFIX,
+    USER_FILES,
+    check_relpath,
+    checkpoint_name,
+    step_of,
+)
 
 FORMAT_NAME = "mpckpt"
 FORMAT_VERSION = 2  # the newest this mpckpt reads; see ``format_version_for``
-USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (format version 2)
 CHECKSUM_ALGO = "xxh3_64"
-SKELETON_NAME = "skeleton.json"
-STEP_PREFIX = "step_"
 KINDS = ("state", "directory")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
-_STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
-
-
-def checkpoint_name(step: int) -> str:
-    """Folder name of the checkpoint of ``step`` (sorts by step up to 10**10)."""
-    return f"{STEP_PREFIX}{step:010d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a folder name stands for, or None for folders that are not checkpoints.
-
-    Only the names ``checkpoint_name`` writes count (ASCII digits, zero-padded to ten): a stray
-    ``step_2`` or ``step_²`` is someone else's folder, never read as, or instead of, a checkpoint.
-    """
-    m = _STEP_NAME_RE.fullmatch(name)
-    if m is None or len(m.group(1)) > 30:
-        return None
-    step = int(m.group(1))
-    return step if checkpoint_name(step) == name else None
 
 
 def format_version_for(kind: str) -> int:

@@ -23,14 +23,11 @@ carry credentials: ``BackendSpec.__repr__`` never shows them.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from mpckpt.errors import ConfigError
-
-MANIFEST_NAME = "manifest.json"
+from mpckpt.format.names import MANIFEST_NAME, check_relpath  # noqa: F401 -- re-exported for backends
 
 Buffer = bytes | bytearray | memoryview
 
@@ -169,17 +166,3 @@ class WriterLock(Protocol):
     def release(self) -> None:
         """Give the lock up."""
         ...
-
-
-def check_relpath(relpath: str) -> str:
-    """Return ``relpath`` normalised, or raise ``ConfigError`` if it could escape the root."""
-    if not isinstance(relpath, str) or not relpath:
-        raise ConfigError(f"storage path {relpath!r} is empty or not a string")
-    if "\\" in relpath or "\x00" in relpath:
-        raise ConfigError(f"storage path {relpath!r} contains a backslash or NUL byte")
-    if relpath.startswith("/"):
-        raise ConfigError(f"storage path {relpath!r} is absolute; paths must be relative to the root")
-    norm = posixpath.normpath(relpath)
-    if norm == ".." or norm.startswith("../") or norm == ".":
-        raise ConfigError(f"storage path {relpath!r} escapes the checkpoint root")
-    return norm

@@ -1,0 +1,55 @@
+"""The names of a checkpoint on storage, and the rule every relative path obeys.
+
+A root holds one folder per checkpoint, ``step_<step, 10+ digits>`` (``checkpoint_name``;
+``step_of`` accepts exactly those names and nothing else, so a stray ``step_2`` or
+``step_²`` is never read as, or instead of, a checkpoint). In a folder: ``manifest.json``,
+written last, whose presence makes the checkpoint exist; ``skeleton.json`` and the shards of
+a state; the user's files of a directory checkpoint under ``files/``. Every path below the
+root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage backends and
+the format both use these names: they live here, below both.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from mpckpt.errors import ConfigError
+
+MANIFEST_NAME = "manifest.json"
+SKELETON_NAME = "skeleton.json"
+USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (format version 2)
+STEP_PREFIX = "step_"
+_STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint of ``step`` (sorts by step up to 10**10)."""
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name stands for, or None for folders that are not checkpoints.
+
+    Only the names ``checkpoint_name`` writes count (ASCII digits, zero-padded to ten): a stray
+    ``step_2`` or ``step_²`` is someone else's folder, never read as, or instead of, a checkpoint.
+    """
+    m = _STEP_NAME_RE.fullmatch(name)
+    if m is None or len(m.group(1)) > 30:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
+
+
+def check_relpath(relpath: str) -> str:
+    """Return ``relpath`` normalised, or raise ``ConfigError`` if it could escape the root."""
+    if not isinstance(relpath, str) or not relpath:
+        raise ConfigError(f"storage path {relpath!r} is empty or not a string")
+    if "\\" in relpath or "\x00" in relpath:
+        raise ConfigError(f"storage path {relpath!r} contains a backslash or NUL byte")
+    if relpath.startswith("/"):
+        raise ConfigError(f"storage path {relpath!r} is absolute; paths must be relative to the root")
+    norm = posixpath.normpath(relpath)
+    if norm == ".." or norm.startswith("../") or norm == ".":
+        raise ConfigError(f"storage path {relpath!r} escapes the checkpoint root")
+    return norm
