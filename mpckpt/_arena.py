@@ -71,6 +71,8 @@ class Arena:
 
     def _take(self, nbytes: int) -> Slab | None:
         """A free slab of at least ``nbytes`` (reused, or made within the budget), or None."""
+        if self.closed:  # a waiter woken by close() must not make a segment nobody will unlink
+            raise BudgetError("the checkpointer is closed; its shared memory is gone")
         slab = self._fits(nbytes)
         if slab is None:
             size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)

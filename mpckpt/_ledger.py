@@ -281,10 +281,11 @@ class Ledger:
 
 
 def _run_quietly(fn: Callable[[], Any], record: Pending) -> None:
+    """Run work that follows a commit; its failure is logged and never stops the committer."""
     try:
         fn()
-    except MpckptError as e:
+    except (MpckptError, OSError) as e:
         log.warning("mpckpt: after committing step %d: %s", record.step, e)
-    except OSError as e:
-        log.warning("mpckpt: after committing step %d: %s", record.step, e)
+    except Exception as e:  # a bug in a hook: the commit stands, later commits must go on
+        log.error("mpckpt: after committing step %d: %s: %s", record.step, type(e).__name__, e, exc_info=e)
 

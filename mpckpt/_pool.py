@@ -119,6 +119,8 @@ class UploaderPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        self._closed = False
+        self._abandon = False  # set by close() when the queue did not drain in time
         self._thread: threading.Thread | None = None
         self._internal_errors: list[BaseException] = []
         self.restarts = 0
@@ -174,11 +176,23 @@ class UploaderPool:
         return [s.process.pid for s in self._slots]
 
     def close(self, *, timeout_s: float = 30.0) -> None:
-        """Stop the workers (after their current job); kill any that do not stop in time."""
+        """Stop the workers (after their current job); kill any that do not stop in time.
+
+        Idempotent. If the dispatcher does not finish the queue within ``timeout_s``, the jobs
+        still queued or running fail (their callbacks get an ``UploadError``) rather than being
+        left unsettled, and the dispatcher stops before the pipes it waits on are closed.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self._abandon = True  # the dispatcher fails what is left and returns
+                self._wake()
+                self._thread.join(timeout_s)
         for slot in self._slots:
             try:
                 slot.conn.send(("stop",))
@@ -192,11 +206,25 @@ class UploaderPool:
                 slot.process.join(5)
             slot.conn.close()
         self._slots = []
+        if self._thread is not None and self._thread.is_alive():
+            return  # never close descriptors a running thread may still use (their numbers get reused)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+    def _fail_left_over(self) -> None:
+        """The pool closes before these jobs finished: fail them, so their checkpoints settle."""
+        with self._lock:
+            jobs = [*self._pending, *(s.job for s in self._slots if s.job is not None)]
+            self._pending.clear()
+            for slot in self._slots:
+                slot.job = None
+        for job in jobs:
+            self._callback(job, None, UploadError(
+                f"step {job.step}: the uploader pool was closed before {job.payload.relpath} was written",
+                step=job.step, shard=job.payload.relpath))
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, *jobs: Job) -> None:
@@ -239,6 +267,9 @@ class UploaderPool:
     # -- dispatcher thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            if self._abandon:
+                self._fail_left_over()
+                return
             with self._lock:
                 idle = not self._pending and all(s.job is None for s in self._slots)
             if self._stopping and idle:

@@ -106,6 +106,10 @@ class Runtime:
         except BaseException:
             if self.pool is not None:
                 self.pool.close(timeout_s=5)
+            if hasattr(self, "ledger"):
+                self.ledger.close(timeout_s=5)
+            if hasattr(self, "arena"):
+                self.arena.close()
             self._let_go_of_lock()
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it

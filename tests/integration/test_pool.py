@@ -242,3 +242,32 @@ def test_cancel_drops_queued_jobs_only_while_every_worker_is_busy(tmp_path, segm
         results.wait_for("slow.bin", "c.bin")  # c was queued behind b: b can no longer run
     assert results.order == ["slow.bin", "c.bin"]
     assert not (tmp_path / "root" / "b1.bin").exists() and not (tmp_path / "root" / "b2.bin").exists()
+
+
+def test_close_is_idempotent_and_never_touches_descriptors_it_gave_up(tmp_path):
+    pool = UploaderPool(spec_for_url(str(tmp_path / "root")), workers=1, start_method="forkserver")
+    pool.start()
+    pool.close(timeout_s=BOUND_S)
+    r, w = os.pipe()  # likely reuses the numbers of the pool's wake-up pipe
+    try:
+        pool.close(timeout_s=BOUND_S)
+        os.write(w, b"ok")
+        assert os.read(r, 2) == b"ok"  # still ours, still open, nothing written into it
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_close_that_times_out_fails_the_jobs_left_and_stops_the_dispatcher(tmp_path, segment):
+    results = Results()
+    pool = UploaderPool(ctl_spec(tmp_path, delay={r"slow": SLOW_S}), workers=1, start_method="forkserver")
+    pool.start()
+    pids = pool.pids
+    pool.submit(write_job(segment, "slow-1.bin", results), write_job(segment, "slow-2.bin", results))
+    wait_until(lambda: pool.started(None))
+    pool.close(timeout_s=0.5)  # shorter than the queue: what is left must fail, not hang
+    results.wait_for("slow-1.bin", "slow-2.bin")
+    assert any(isinstance(results.done[rel][2], UploadError) for rel in ("slow-1.bin", "slow-2.bin"))
+    assert "closed before" in str(results.done["slow-2.bin"][2])
+    assert not pool._thread.is_alive()
+    assert_gone(pids)

@@ -238,3 +238,13 @@ def test_close_unlinks_every_slab_also_those_in_use(make_arena, shm_sizes):
     arena.release(in_use)  # the uploads finishing after close: harmless
     arena.close()  # and closing twice too
     assert shm_sizes() == {}
+
+
+def test_nothing_is_made_after_close(make_arena, shm_sizes):
+    arena = make_arena(8 << 20)
+    arena.close()
+    for request in (lambda: arena.try_acquire(1 << 20), lambda: arena.acquire(1 << 20, timeout_s=1),
+                    lambda: arena.reserve(1 << 20)):
+        with pytest.raises(BudgetError, match="closed"):
+            request()
+    assert shm_sizes() == {}

@@ -238,3 +238,16 @@ def test_sequence_numbers_continue_after_the_manifests_on_storage(backend, make_
     assert [f.result(0).name for f in (r60.future, r70.future)] == [checkpoint_name(60), checkpoint_name(70)]
     assert ledger.latest_step() == 70 and ledger.last_step == 70
     assert {s: m.seq for s, m in scan(backend, clean=False).items()} == {1: 4, 2: 9, 3: 6, 60: 10, 70: 11}
+
+
+def test_a_hook_that_fails_after_a_commit_never_stops_later_commits(backend, make_ledger):
+    ledger = make_ledger()
+    first = open_record(ledger, backend, 1)
+    first.after_commit.append(lambda: {}["a bug in a hook"])
+    write_file(ledger, backend, first)
+    second = open_record(ledger, backend, 2)
+    write_file(ledger, backend, second)
+    ledger.wait([first, second], timeout_s=BOUND_S)
+    assert first.future.result(0).name == "step_0000000001"  # the commit stands
+    assert second.future.result(0).name == "step_0000000002"
+    assert sorted(ledger.committed) == [1, 2]
