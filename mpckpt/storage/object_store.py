@@ -33,6 +33,7 @@ options may hold credentials: they never appear in ``url``, reprs or messages (`
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -64,7 +65,7 @@ def positive_int(options: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-class ObjectStoreBackend:
+class ObjectStoreBackend(abc.ABC):
     """Checkpoints under one key prefix (``_root``) of an object store without rename."""
 
     #: The options mpckpt reads itself; the rest belong to the client (or are refused).
@@ -99,36 +100,37 @@ class ObjectStoreBackend:
         return f"{type(self).__name__}({self.url!r})"
 
     # -- what a subclass implements -----------------------------------------------------
+    @abc.abstractmethod
     def _translate(self, e: Exception, what: str) -> MpckptError:
         """The ``mpckpt.errors`` equivalent of a client error (``TransientStorageError`` retries)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _create_object(self, relpath: str, data: bytes) -> None:
         """Put ``data`` unless an object is there (one of ``exists_errors`` then); one request."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _get_object(self, relpath: str) -> bytes:
         """The whole object; one request, errors untranslated."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete_object(self, relpath: str) -> None:
         """Delete one object (nothing if it is missing); one request, errors untranslated."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete_prefix(self, relpath: str, what: str) -> None:
         """Delete every object under ``relpath/``, through ``_call`` (``what`` names the job)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _upload(self, relpath: str, local_path: str) -> None:
         """Copy the existing local file ``local_path`` to ``relpath``, through ``_call``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _lease_store(self) -> _lease.LeaseStore:
         """The lease object of this root with the strongest conditions the store offers."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def exists(self, relpath: str) -> bool:
-        raise NotImplementedError
+        """Whether an object exists at ``relpath``."""
 
     # -- helpers ------------------------------------------------------------------------
     def _key(self, relpath: str) -> str:
