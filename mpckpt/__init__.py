@@ -30,7 +30,7 @@ _WHERE = {
     "UploadMode": "mpckpt.config",
     "Checkpoint": "mpckpt.checkpoint",
     "Checkpointer": "mpckpt.checkpointer",
-    "load": "mpckpt.checkpointer",
+    "load": "mpckpt.catalog",
     "CheckpointerStats": "mpckpt._futures",
     "SaveFuture": "mpckpt._futures",
     "SaveResult": "mpckpt._futures",

@@ -1,4 +1,4 @@
-"""The sequencing ledger: sequence numbers, strictly in-order commits, and the recovery scan.
+"""The sequencing ledger: sequence numbers and strictly in-order commits.
 
 Every save gets the next sequence number when it is called. Its files may finish uploading
 in any order relative to other saves, but the committer thread publishes checkpoints in
@@ -6,10 +6,7 @@ sequence order only: checkpoint N+1 is committed after N is committed, failed, s
 coalesced, never before. So ``latest`` only ever moves forward over committed checkpoints,
 and a reader never sees step 20 while step 10, saved earlier, could still appear.
 
-At open, ``scan`` reads every checkpoint folder's manifest: folders with a valid manifest
-are the committed checkpoints; folders of ours without one are debris of a crash and are
-deleted, unless a committed checkpoint references files in them (a damaged manifest is
-reported and kept, never deleted: it may be recoverable). One bad folder never stops the scan.
+It starts from what ``catalog.recover`` found committed on storage.
 """
 
 from __future__ import annotations
@@ -23,22 +20,18 @@ from typing import Any
 
 from mpckpt._futures import SaveFuture
 from mpckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
     MpckptError,
     UploadError,
     WaitTimeoutError,
 )
 from mpckpt.format.manifest import (
-    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     checkpoint_name,
     checksum,
     format_version_for,
-    step_of,
 )
-from mpckpt.storage import MANIFEST_NAME, Backend
+from mpckpt.storage import Backend
 
 log = logging.getLogger("mpckpt")
 
@@ -74,52 +67,6 @@ class Pending:
         if self.outcome is None:
             return False
         return self.outcome == "dropped" or (self.submitted_all and self.jobs_left == 0)
-
-
-def scan(backend: Backend, *, clean: bool, problems: dict[int, Exception] | None = None) -> dict[int, Manifest]:
-    """Committed checkpoints by step; with ``clean``, delete manifest-less checkpoint folders.
-
-    One bad folder never stops the rest: a folder whose manifest cannot be read or does not
-    verify (damaged, hostile, a link, a FIFO, another step's) is reported in ``problems`` and
-    skipped, never deleted. Only folders under names mpckpt writes count, and a manifest-less
-    folder is deleted only if no valid manifest references files in it.
-    """
-    found: dict[int, Manifest] = {}
-    incomplete: list[str] = []
-    for name in backend.list_names():
-        step = step_of(name)
-        if step is None:
-            continue
-        try:
-            manifest = read_manifest(backend, name)
-        except CheckpointNotFoundError:
-            incomplete.append(name)
-            continue
-        except MpckptError as e:
-            log.warning("mpckpt: skipping %s: %s", name, e)
-            if problems is not None:
-                problems[step] = e
-            continue
-        found[step] = manifest
-    if clean and incomplete:
-        referenced = {e.ref for m in found.values() for e in m.files.values() if e.ref}
-        for name in incomplete:
-            if name in referenced:
-                log.warning("mpckpt: %s has no manifest but committed checkpoints use its files; kept", name)
-                continue
-            log.info("mpckpt: removing incomplete checkpoint folder %s", name)
-            backend.delete(name)
-    return found
-
-
-def read_manifest(backend: Backend, name: str) -> Manifest:
-    """The verified manifest of checkpoint folder ``name``; ``CheckpointNotFoundError`` if it has none."""
-    path = f"{name}/{MANIFEST_NAME}"
-    manifest = Manifest.from_bytes(backend.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES), path=path)
-    if checkpoint_name(manifest.step) != name:
-        raise CorruptCheckpointError(f"{path}: the manifest is of step {manifest.step}, not of its folder {name}; "
-                                     "a folder copied or renamed by hand is not loaded", path=path)
-    return manifest
 
 
 class Ledger:

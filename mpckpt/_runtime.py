@@ -29,9 +29,10 @@ from typing import Any
 from mpckpt import _shm
 from mpckpt._arena import Arena
 from mpckpt._futures import CheckpointerStats, SaveFuture
-from mpckpt._ledger import Ledger, Pending, scan
+from mpckpt._ledger import Ledger, Pending
 from mpckpt._pool import UploaderPool
 from mpckpt._saving import Snapshotter
+from mpckpt.catalog import recover
 from mpckpt.config import Config
 from mpckpt.errors import LockedError, add_note
 from mpckpt.format.manifest import Manifest, checkpoint_name
@@ -91,11 +92,11 @@ class Runtime:
         self.pool: UploaderPool | None = None
         try:
             _shm.reap_orphans()
-            backend.cleanup_incomplete()
+            found = recover(backend)
             # checkpoints whose manifest does not verify: never deleted, never saved over
-            self.damaged: dict[int, Exception] = {}
-            committed = scan(backend, clean=True, problems=self.damaged)
-            self.ledger = Ledger(backend, committed, on_committed=self.after_commit, taken_steps=set(self.damaged))
+            self.damaged = found.damaged
+            self.ledger = Ledger(backend, found.committed, on_committed=self.after_commit,
+                                 taken_steps=set(self.damaged))
             self.arena = Arena(config.memory_budget_bytes, pin=pin)
             self.pool = UploaderPool(spec, workers=config.workers, start_method=config.start_method,
                                      nice=config.nice, max_attempts=config.max_job_attempts,

@@ -28,14 +28,14 @@ from typing import Any
 
 from mpckpt._copier import estimate_state_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
-from mpckpt._ledger import Pending, scan
+from mpckpt._ledger import Pending
 from mpckpt._runtime import Runtime, caller_location, finalizer_for
 from mpckpt._saving import skeleton_bytes
 from mpckpt._snapshot import flatten
+from mpckpt.catalog import Catalog, load  # noqa: F401 -- load: mpckpt.load, kept importable here
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import BudgetPolicy, Config, UploadMode
 from mpckpt.errors import (
-    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     MpckptError,
@@ -44,10 +44,9 @@ from mpckpt.errors import (
 )
 from mpckpt.format.manifest import SKELETON_NAME, checkpoint_name
 from mpckpt.restore import apply_state, load_checkpoint
-from mpckpt.storage import MANIFEST_NAME, open_backend, spec_for_url
+from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
-_LOAD_ATTEMPTS = 8
 
 
 class Checkpointer:
@@ -345,26 +344,21 @@ class Checkpointer:
         """The newest committed step (never moves past an uncommitted one)."""
         return self.ledger.latest_step()
 
+    def _catalog(self) -> Catalog:
+        with self.ledger.lock:
+            return Catalog(self.ledger.committed)
+
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        with self.ledger.lock:
-            return sorted(self.ledger.committed)
+        return self._catalog().steps()
 
     def best(self, n: int = 1, metric: str = "loss", mode: str = "min") -> list[int]:
         """The ``n`` committed steps with the best ``metric`` (``mode`` 'min' or 'max'; NaN never wins)."""
-        from mpckpt.retention import rank_by_metric
-
-        with self.ledger.lock:
-            records = sorted(self.ledger.committed.items())
-        return [records[i][0] for i in rank_by_metric(records, metric, mode)[:n]]
+        return self._catalog().best(n, metric, mode)
 
     def checkpoint(self, step: int | None = None) -> Checkpoint:
         """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
-        step = self.latest_step if step is None else step
-        with self.ledger.lock:
-            manifest = self.ledger.committed.get(step) if step is not None else None
-        if manifest is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {self.url}")
+        manifest = self._catalog().manifest(step, self.url)
         name = checkpoint_name(manifest.step)
         return Checkpoint(f"{self.url}/{name}", _stored=(self.backend, name, manifest))
 
@@ -403,49 +397,6 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
         self.prepare(state)
         return restored
-
-
-def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False,
-         storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The plain nested state (dicts of tensors) of the latest committed checkpoint, or ``step``.
-
-    Needs no model or optimizer objects and never writes. Every file is verified. A reader
-    may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
-    while it is read is not damage; the newest one is looked up again.
-    """
-    backend = open_backend(spec_for_url(root, dict(storage_options or {})))
-    for _ in range(_LOAD_ATTEMPTS):
-        problems: dict[int, Exception] = {}
-        committed = scan(backend, clean=False, problems=problems)
-        chosen = max([*committed, *problems], default=None) if step is None else step
-        if chosen in problems:  # say why the newest (or requested) one cannot be read
-            raise problems[chosen]
-        if chosen is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
-        if chosen not in committed:
-            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "
-                                          f"committed steps: {sorted(committed)[-10:]}")
-        name = checkpoint_name(chosen)
-        try:
-            return load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle)
-        except MpckptError as e:
-            if _still_committed(backend, name):
-                raise
-            if step is not None:
-                raise CheckpointNotFoundError(
-                    f"the checkpoint of step {step} in {backend.url} was deleted while it was read "
-                    "(retention of the run writing there); load a newer one") from e
-            log.info("mpckpt: %s was deleted while it was read; looking for the newest again", name)
-    raise CheckpointNotFoundError(f"{backend.url}: each newest checkpoint was deleted while it was read, "
-                                  f"{_LOAD_ATTEMPTS} times; the writer keeps too few (keep_last) for readers")
-
-
-def _still_committed(backend: Any, name: str) -> bool:
-    """Whether ``name`` still has its manifest (retention deletes the manifest first)."""
-    try:
-        return bool(backend.exists(f"{name}/{MANIFEST_NAME}"))
-    except MpckptError:
-        return True  # cannot tell: report the original error
 
 
 def _mode(mode: Any) -> UploadMode:

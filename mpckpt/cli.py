@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from mpckpt import _shm
-from mpckpt._ledger import scan
+from mpckpt.catalog import recover, scan
 from mpckpt.errors import ConfigError, MpckptError
 from mpckpt.format.manifest import Manifest, checkpoint_name
 from mpckpt.storage import open_backend, spec_for_url
@@ -127,16 +127,15 @@ def _gc_root(root: str, options: str | None) -> int:
     backend = _backend(root, options)
     lock = backend.acquire_writer_lock(f"mpckpt gc pid {os.getpid()}")
     try:
-        for name in backend.cleanup_incomplete():
-            say(f"{root}: removed staging folder {name}")
-        before = set(backend.list_names())
-        _, problems = _scan(backend, clean=True)
-        for name in sorted(before - set(backend.list_names())):
-            say(f"{root}: removed incomplete checkpoint {name}")
-        for step in sorted(problems):
-            complain(f"{root}: kept damaged step {step} (never deleted: it may be recoverable): {problems[step]}")
+        found = recover(backend)  # what opening a Checkpointer there would do
     finally:
         lock.release()
+    for name in found.removed_staging:
+        say(f"{root}: removed staging folder {name}")
+    for name in found.removed_incomplete:
+        say(f"{root}: removed incomplete checkpoint {name}")
+    for step in sorted(found.damaged):
+        complain(f"{root}: kept damaged step {step} (never deleted: it may be recoverable): {found.damaged[step]}")
     return 0
 
 

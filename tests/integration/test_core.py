@@ -261,11 +261,15 @@ def test_skip_policy_drops_with_a_warning_and_counts(tmp_path):
 def test_coalesce_replaces_a_queued_checkpoint(tmp_path):
     markers = tmp_path / "m"
     markers.mkdir()
-    opts = {"delay": {r"step_0000000000\.": 5.0}, "marker_dir": str(markers)}  # long enough on a loaded machine
+    opts = {"delay": {r"step_0000000000\.": 2.0}, "marker_dir": str(markers)}
     state = {"x": torch.randn(1 << 20)}  # 4 MiB, budget for two in flight
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=1, memory_budget="10MiB", policy="coalesce",
                              storage_options=opts) as ckpt:
         ckpt.save(0, state)          # uploading (slow)
+        deadline = time.monotonic() + 30
+        while not ckpt.pool.started(0):  # the worker took step 0's job (seq 0): the next one queues
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         f1 = ckpt.save(1, state)     # queued behind it
         f2 = ckpt.save(2, state)     # budget full: replaces step 1
         assert f1.result(30).name is None and f1.stats.status == "coalesced"

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from mpckpt._futures import SaveFuture, SaveStats
-from mpckpt._ledger import Ledger, Pending, scan
+from mpckpt._ledger import Ledger, Pending
+from mpckpt.catalog import scan
 from mpckpt.errors import CommitConflictError, CorruptCheckpointError, UploadError, WaitTimeoutError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum
 from mpckpt.storage import MANIFEST_NAME
