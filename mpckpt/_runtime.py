@@ -185,9 +185,11 @@ class Runtime:
         atexit.unregister(self.release_unclosed)
         try:
             self.saver.close()
-            self.ledger.close(timeout_s=self.config.timeout_s)
+            # INVARIANT: the pool closes before the ledger: a job it could not finish in time
+            # fails, so its checkpoint settles and the committer can stop
             if self.pool is not None:
                 self.pool.close()
+            self.ledger.close(timeout_s=self.config.timeout_s)
             self.arena.close()
         finally:
             self._let_go_of_lock()
