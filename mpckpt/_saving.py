@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import xxhash
-
 from mpckpt._arena import Arena, Slab
 from mpckpt._copier import copy_wave
 from mpckpt._layout import Layout, plan_layout
@@ -26,7 +24,7 @@ from mpckpt._ledger import Ledger, Pending
 from mpckpt._overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._pool import Job, UploaderPool
 from mpckpt._snapshot import FlatState
-from mpckpt._worker import UploadJob, WriteJob
+from mpckpt._worker import UploadJob, WriteJob, file_digest
 from mpckpt.config import BudgetPolicy, Config
 from mpckpt.errors import ConfigError, UploadError
 from mpckpt.format.manifest import USER_FILES, FileEntry
@@ -236,12 +234,7 @@ class Snapshotter:
     def adopt_directory(self, record: Pending, folder: str, files: list[str]) -> None:
         """Commit a folder already on the root's filesystem by moving it to ``<staging>/files``."""
         for rel in files:
-            digest, size = xxhash.xxh3_64(), 0
-            with open(os.path.join(folder, rel), "rb") as f:
-                while chunk := f.read(16 << 20):
-                    digest.update(chunk)
-                    size += len(chunk)
-            record.files[USER_FILES + rel] = FileEntry(size, digest.hexdigest())
+            record.files[USER_FILES + rel] = FileEntry(*file_digest(os.path.join(folder, rel)))
         target = os.path.join(self._root, record.staging or "", USER_FILES.rstrip("/"))
         try:
             os.rename(folder, target)

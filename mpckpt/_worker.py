@@ -181,14 +181,20 @@ class _Worker:
 
     def upload(self, job: UploadJob) -> dict[str, Any]:
         started = time.perf_counter()
-        digest = xxhash.xxh3_64()
-        size = 0
-        with open(job.local_path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
+        size, checksum = file_digest(job.local_path)
         self.backend.upload_file(job.relpath, job.local_path)
-        return {"size": size, "checksum": digest.hexdigest(), "seconds": time.perf_counter() - started}
+        return {"size": size, "checksum": checksum, "seconds": time.perf_counter() - started}
+
+
+def file_digest(path: str) -> tuple[int, str]:
+    """Size and xxh3-64 checksum of a local file, read in chunks (never whole)."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def _alive(pid: int) -> bool:
