@@ -10,7 +10,7 @@ Starts Azurite (Azure Blob) and moto's server (S3) on 127.0.0.1, then for a stat
   of the same bytes;
 - the floor on S3: one s3fs ``fs.pipe(path, data)`` of the same bytes.
 
-During the mpckpt runs a thread samples the uploader processes (``ckpt.pool.pids``) every few
+During the mpckpt runs a thread samples the uploader processes (``ckpt.uploader_pids``) every few
 ms with psutil: peak RSS and peak anonymous RSS (``rss - shared``: private heap, which is where
 a second copy of a shard would live; the shared-memory slab a worker reads from is ``shared``).
 The anonymous peak is compared with the largest shard written.
@@ -144,10 +144,9 @@ def mpckpt_runs(url: str, options: dict, state: dict, repeats: int, shard_sizes:
     runs = []
     with mpckpt.Checkpointer(url, storage_options={**options, "create": True}, workers=2,
                              memory_budget=int(total * 1.25) + 64 * MIB, keep_last=1) as ckpt:
-        assert ckpt.pool is not None
         ckpt.save(0, {"warm": torch.ones(4)}, mode="sync")  # connections and imports, not timed
         for step in range(1, repeats + 1):
-            with WorkerMemory(list(ckpt.pool.pids)) as mem:
+            with WorkerMemory(list(ckpt.uploader_pids)) as mem:
                 future = ckpt.save(step, state)
                 returned = time.perf_counter()
                 future.result(600)

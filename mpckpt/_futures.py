@@ -115,6 +115,7 @@ class CheckpointerStats:
     """Figures of every save of one checkpointer, and its counters."""
 
     saves: list[SaveStats] = field(default_factory=list)
+    reported: list[dict[str, Any]] = field(default_factory=list)  # report(metrics) without a checkpoint
     worker_restarts: int = 0
     job_retries: int = 0
     peak_shm_bytes: int = 0
@@ -150,4 +151,5 @@ class CheckpointerStats:
             "median_blocked_ms": round(self.median("blocked_ms"), 3),
             "median_persist_ms": round(self.median("persist_ms"), 3),
             "saves": [s.as_dict() for s in self.saves],
+            "reported": list(self.reported),
         }

@@ -115,7 +115,7 @@ def _balance(pieces: list[Piece], n_shards: int) -> list[list[Piece]]:
     return [b for b in bins if b]
 
 
-def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_prefix: str = "",
+def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int,
                 frozen: frozenset[int] = frozenset()) -> Layout:
     """Assign every leaf (``.name``, ``.code``, ``.source``, ``.nbytes``) to waves and shards.
 
@@ -146,7 +146,7 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_pref
         bins = [(b, True) for b in _balance(still, max(1, min(workers, len(still))))] if still else []
         bins += [(b, False) for b in _balance(moving, max(1, min(workers, len(moving))))] if moving else []
         for bin_pieces, is_frozen in bins:
-            shard = ShardPlan(f"{file_prefix}shard-{shard_index:05d}.safetensors", [], offset=offset, frozen=is_frozen)
+            shard = ShardPlan(f"shard-{shard_index:05d}.safetensors", [], offset=offset, frozen=is_frozen)
             shard_index += 1
             pos = 0
             for piece in sorted(bin_pieces, key=lambda p: -p.itemsize):
@@ -169,3 +169,25 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int, file_pref
     for parts in layout.parts.values():
         parts.sort(key=lambda part: part[2])
     return layout
+
+
+class LayoutCache:
+    """The layouts of the last few state shapes a checkpointer saved (most states have one)."""
+
+    SIZE = 8
+
+    def __init__(self, *, budget_bytes: int, workers: int) -> None:
+        self.budget_bytes, self.workers = budget_bytes, workers
+        self._layouts: dict[Any, Layout] = {}
+
+    def layout_for(self, flat: Any) -> Layout:
+        """The layout of ``flat`` (a ``FlatState``), planned on first sight of its shape."""
+        key = (tuple([(leaf.name, leaf.code, leaf.source.shape) for leaf in flat.leaves]), flat.frozen)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = plan_layout(flat.leaves, budget_bytes=self.budget_bytes, workers=self.workers,
+                                 frozen=flat.frozen)
+            if len(self._layouts) >= self.SIZE:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout

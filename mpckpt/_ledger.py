@@ -1,51 +1,48 @@
-"""The sequencing ledger: sequence numbers and strictly in-order commits.
+"""The sequencing ledger: every checkpoint record, every change to it, and the commit order.
 
-Every save gets the next sequence number when it is called. Its files may finish uploading
-in any order relative to other saves, but the committer thread publishes checkpoints in
-sequence order only: checkpoint N+1 is committed after N is committed, failed, skipped or
-coalesced, never before. So ``latest`` only ever moves forward over committed checkpoints,
-and a reader never sees step 20 while step 10, saved earlier, could still appear.
+Every save and report gets the next sequence number when it is called, and a ``Pending``
+record. The ledger is the only code that changes a record: jobs counted in and out, files
+done or failed, slabs held, outcome, after-commit work; everyone else calls its methods,
+which take its lock. Files may finish uploading in any order relative to other saves, but
+``next_settled`` hands the committer the records in sequence order only: checkpoint N+1 is
+committed after N is committed, failed, skipped or coalesced, never before. So ``latest``
+only ever moves forward over committed checkpoints, and a reader never sees step 20 while
+step 10, saved earlier, could still appear.
+
+A record's life: ``recording()`` opens it (a ``save`` or ``report`` call) and settles it as
+failed if the call raises; jobs are counted with ``add_jobs`` and come back through the
+pool callback ``job_done``; ``all_submitted`` says no more jobs will come; once settled the
+committer takes it (``next_settled``), commits or fails it, and ``retire`` removes it.
 
 It starts from what ``catalog.recover`` found committed on storage.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpckpt._futures import SaveFuture
-from mpckpt.errors import (
-    MpckptError,
-    UploadError,
-    WaitTimeoutError,
-)
-from mpckpt.format.manifest import (
-    FileEntry,
-    Manifest,
-    checkpoint_name,
-    checksum,
-    format_version_for,
-)
-from mpckpt.storage import Backend
+from mpckpt._futures import SaveFuture, SaveStats
+from mpckpt.errors import WaitTimeoutError, upload_error
+from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name
 
-log = logging.getLogger("mpckpt")
+JobCallback = Callable[[Any, "dict[str, Any] | None", "BaseException | None"], None]
 
 
 @dataclass
 class Pending:
-    """One checkpoint between ``save`` and its commit."""
+    """One checkpoint between ``save`` and its commit (changed only through the ``Ledger``)."""
 
     seq: int
     step: int
     kind: str                                   # "state" or "directory"
     future: SaveFuture
+    staging: str                                # where its files are written until the commit
     metrics: dict[str, Any] = field(default_factory=dict)
-    staging: str | None = None
     files: dict[str, FileEntry] = field(default_factory=dict)
     # written by the committer; a callable is serialised there, off the training thread
     small_files: dict[str, bytes | Callable[[], bytes]] = field(default_factory=dict)
@@ -62,6 +59,10 @@ class Pending:
         return checkpoint_name(self.step)
 
     @property
+    def stats(self) -> SaveStats:
+        return self.future.stats
+
+    @property
     def settled(self) -> bool:
         """Nothing of it is still running: ready to commit, or to be failed or dropped."""
         if self.outcome is None:
@@ -70,46 +71,115 @@ class Pending:
 
 
 class Ledger:
-    """In-order commits of the pending checkpoints of one checkpointer."""
+    """The records of one checkpointer, and their in-order hand-over to the committer."""
 
-    def __init__(self, backend: Backend, committed: dict[int, Manifest], *,
-                 on_committed: Callable[[Pending, Manifest], Callable[[], None] | None] | None = None,
-                 taken_steps: set[int] | None = None) -> None:
-        self.backend = backend
-        self.committed = dict(committed)
+    def __init__(self, committed: dict[int, Manifest], *, staging_name: Callable[[str], str],
+                 on_open: Callable[[Pending], None] | None = None, taken_steps: set[int] | None = None) -> None:
+        self._committed = dict(committed)
         self._pending: dict[int, Pending] = {}
         self._next_seq = max((m.seq for m in committed.values()), default=-1) + 1
         self._next_commit = self._next_seq
         self._cond = threading.Condition()
         self._stopping = False
-        self._on_committed = on_committed
+        self._staging_name = staging_name
+        self._on_open = on_open
         # steps may only increase past everything on storage, damaged checkpoints included
         self.last_step: int | None = max([*committed, *(taken_steps or ())], default=None)
-        self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
-        self._thread.start()
 
-    @property
-    def lock(self) -> threading.Condition:
-        return self._cond
-
-    # -- the training side ------------------------------------------------------------------
-    def open(self, step: int, kind: str, future: SaveFuture, metrics: dict[str, Any]) -> Pending:
-        with self._cond:
-            record = Pending(self._next_seq, step, kind, future, dict(metrics))
-            self._next_seq += 1
-            self._pending[record.seq] = record
-            self.last_step = step
-            return record
-
+    # -- queries -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         with self._cond:
-            return max(self.committed, default=None)
+            return max(self._committed, default=None)
+
+    def committed(self) -> dict[int, Manifest]:
+        """A copy of the committed checkpoints by step."""
+        with self._cond:
+            return dict(self._committed)
 
     def pending(self) -> list[Pending]:
         with self._cond:
             return [self._pending[k] for k in sorted(self._pending)]
 
-    # -- outcomes (any thread) ---------------------------------------------------------------
+    def referenced_folders(self) -> set[str]:
+        """Folders whose files a committed or pending checkpoint references (never deleted)."""
+        with self._cond:
+            manifests = [m.files.values() for m in self._committed.values()]
+            manifests += [dict(r.files).values() for r in self._pending.values()]
+        return {e.ref for files in manifests for e in files if e.ref}
+
+    # -- opening and filling a record (the training thread) ----------------------------------------
+    @contextlib.contextmanager
+    def recording(self, step: int, kind: str, stats: SaveStats, metrics: dict[str, Any], *,
+                  on_error: Callable[[Pending], None] | None = None) -> Iterator[Pending]:
+        """One checkpoint's record, from the ``save``/``report`` call until its jobs are queued.
+
+        ``save`` and ``report`` both go through here, so their records cannot drift apart. If
+        the body raises, the record settles as failed (later commits are not held up) and the
+        caller gets the error from this call, once: it is not raised again at the next save,
+        wait or exit.
+        """
+        with self._cond:
+            name = checkpoint_name(step)
+            record = Pending(self._next_seq, step, kind, SaveFuture(stats), self._staging_name(name), dict(metrics))
+            self._next_seq += 1
+            self._pending[record.seq] = record
+            self.last_step = step
+        if self._on_open is not None:
+            self._on_open(record)
+        try:
+            yield record
+        except BaseException as e:
+            if on_error is not None:
+                on_error(record)
+            self.resolve(record, "failed", e)
+            self.all_submitted(record)
+            record.future._mark_seen()
+            raise
+
+    def add_small_file(self, record: Pending, relpath: str, content: bytes | Callable[[], bytes]) -> None:
+        """A file the committer writes just before the manifest (a callable runs there)."""
+        with self._cond:
+            record.small_files[relpath] = content
+
+    def add_files(self, record: Pending, files: dict[str, FileEntry]) -> None:
+        """Files already durable (referenced or adopted): no job writes them."""
+        with self._cond:
+            record.files.update(files)
+
+    def add_jobs(self, record: Pending, count: int) -> None:
+        with self._cond:
+            record.jobs_left += count
+
+    def after_commit(self, record: Pending, work: Callable[[], None]) -> None:
+        """Run ``work`` on the committer once ``record`` is committed (never if it fails)."""
+        with self._cond:
+            record.after_commit.append(work)
+
+    def hold(self, record: Pending, slab: Any) -> None:
+        with self._cond:
+            record.slabs.append(slab)
+
+    def let_go(self, record: Pending, slab: Any) -> None:
+        with self._cond:
+            if slab in record.slabs:
+                record.slabs.remove(slab)
+
+    def holds(self, record: Pending, slab: Any) -> bool:
+        with self._cond:
+            return slab in record.slabs
+
+    def all_submitted(self, record: Pending, *, snapshot_started: float | None = None) -> None:
+        """No more jobs will be added to ``record``; its snapshot is done."""
+        with self._cond:
+            record.snapshot_done_at = time.perf_counter()
+            if snapshot_started is not None:
+                record.stats.snapshot_ms = (record.snapshot_done_at - snapshot_started) * 1e3
+            record.submitted_all = True
+            if record.jobs_left == 0 and record.outcome is None:
+                record.outcome = "persisted"
+            self._cond.notify_all()
+
+    # -- outcomes (any thread) -----------------------------------------------------------------
     def resolve(self, record: Pending, outcome: str, error: BaseException | None = None) -> None:
         """Mark ``record`` persisted, failed or dropped; the committer takes it from there."""
         with self._cond:
@@ -118,26 +188,80 @@ class Ledger:
                 record.error = error if record.error is None else record.error
             self._cond.notify_all()
 
-    def file_done(self, record: Pending, relpath: str, entry: FileEntry) -> None:
+    def drop(self, record: Pending, status: str) -> list[Any]:
+        """Drop ``record`` (coalesced): return the slabs it held, for the caller to release."""
         with self._cond:
-            record.files[relpath] = entry
-            record.jobs_left -= 1
-            if record.jobs_left == 0 and record.submitted_all and record.outcome is None:
-                record.outcome = "persisted"
+            record.stats.status = status
+            slabs, record.slabs = record.slabs, []
+        self.resolve(record, "dropped")
+        return slabs
+
+    def job_done(self, record: Pending, doing: str, *,
+                 then: Callable[[], None] | None = None) -> JobCallback:
+        """The pool callback for one file of ``record``: record its entry, or the failure."""
+
+        def done(job: Any, result: dict[str, Any] | None, error: BaseException | None) -> None:
+            rel = job.payload.relpath[len(record.staging) + 1:]
+            with self._cond:
+                record.jobs_left -= 1
+                if error is not None:
+                    failure = upload_error(record.step, f"{doing} {rel} failed", error, shard=rel)
+                    if record.outcome in (None, "persisted"):
+                        record.outcome = "failed"
+                        record.error = record.error or failure
+                else:
+                    assert result is not None
+                    record.files[rel] = FileEntry(result["size"], result["checksum"])
+                    if record.jobs_left == 0 and record.submitted_all and record.outcome is None:
+                        record.outcome = "persisted"
+                self._cond.notify_all()
+            if then is not None:
+                then()
+
+        return done
+
+    # -- the committer's side ------------------------------------------------------------------
+    def next_settled(self) -> Pending | None:
+        """The next record in sequence order once it has settled; None once stopped and empty."""
+        with self._cond:
+            while True:
+                head = self._pending.get(self._next_commit)
+                if head is not None and head.settled:
+                    return head
+                if self._stopping and (not self._pending or head is None and self._next_commit >= self._next_seq):
+                    return None
+                self._cond.wait(1.0)
+
+    def mark_committed(self, record: Pending, manifest: Manifest) -> None:
+        with self._cond:
+            self._committed[record.step] = manifest
+            record.stats.status = "committed"
+            record.stats.persist_ms = (time.perf_counter() - record.snapshot_done_at) * 1e3
+
+    def mark_failed(self, record: Pending, error: BaseException) -> None:
+        with self._cond:
+            record.outcome, record.error = "failed", error
+
+    def forget(self, steps: list[int]) -> None:
+        """Retention is deleting these committed checkpoints: they are no longer listed."""
+        with self._cond:
+            for step in steps:
+                self._committed.pop(step, None)
+
+    def retire(self, record: Pending) -> None:
+        """``record`` is finished: the next one in sequence may be handed over."""
+        with self._cond:
+            del self._pending[record.seq]
+            self._next_commit += 1
             self._cond.notify_all()
 
-    def file_failed(self, record: Pending) -> None:
+    def stop(self) -> None:
+        """``next_settled`` returns None once everything pending has been handed over."""
         with self._cond:
-            record.jobs_left -= 1
+            self._stopping = True
             self._cond.notify_all()
 
-    def all_submitted(self, record: Pending) -> None:
-        with self._cond:
-            record.submitted_all = True
-            if record.jobs_left == 0 and record.outcome is None:
-                record.outcome = "persisted"
-            self._cond.notify_all()
-
+    # -- waiting -------------------------------------------------------------------------------
     def wait(self, records: list[Pending] | None = None, *, timeout_s: float) -> None:
         """Block until ``records`` (default: all pending) are finished, or raise WaitTimeoutError."""
         deadline = time.monotonic() + timeout_s
@@ -152,87 +276,3 @@ class Ledger:
                     steps = ", ".join(str(r.step) for r in waiting[:5])
                     raise WaitTimeoutError(f"checkpoints of steps {steps} not finished within {timeout_s:.0f}s")
                 self._cond.wait(min(left, 1.0))
-
-    def close(self, *, timeout_s: float = 30.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-
-    # -- the committer thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    head = self._pending.get(self._next_commit)
-                    if head is not None and head.settled:
-                        break
-                    if self._stopping and not self._pending:
-                        return
-                    if self._stopping and head is None and self._next_commit >= self._next_seq:
-                        return
-                    self._cond.wait(1.0)
-            self._finish(head)
-            with self._cond:
-                del self._pending[head.seq]
-                self._next_commit += 1
-                self._cond.notify_all()
-
-    def _finish(self, record: Pending) -> None:
-        if record.outcome == "persisted":
-            try:
-                manifest = self._commit(record)
-            except BaseException as e:
-                record.outcome, record.error = "failed", e
-            else:
-                with self._cond:
-                    self.committed[record.step] = manifest
-                record.future.stats.status = "committed"
-                record.future.stats.persist_ms = (time.perf_counter() - record.snapshot_done_at) * 1e3
-                for fn in record.after_commit:
-                    _run_quietly(fn, record)
-                cleanup = None
-                if self._on_committed is not None:
-                    try:
-                        cleanup = self._on_committed(record, manifest)
-                    except Exception as e:  # the commit stands; retention failing must not stop commits
-                        log.warning("mpckpt: retention after step %d failed: %s", record.step, e)
-                record.future._resolve(record.name)
-                if cleanup is not None:  # deletions run after the caller has its answer
-                    _run_quietly(cleanup, record)
-                return
-        if record.outcome == "failed":
-            if record.staging is not None:
-                _run_quietly(lambda: self.backend.abort(record.staging), record)  # type: ignore[arg-type]
-            error = record.error or UploadError(f"step {record.step}: checkpoint failed", step=record.step)
-            if not isinstance(error, UploadError):
-                wrapped = UploadError(f"step {record.step}: checkpoint not committed: {error}", step=record.step)
-                wrapped.__cause__ = error
-                error = wrapped
-            record.future._fail(error)
-            return
-        record.future._resolve(None)  # dropped: skipped or coalesced, status set by the caller
-
-    def _commit(self, record: Pending) -> Manifest:
-        assert record.staging is not None
-        files = dict(record.files)
-        for rel, content in record.small_files.items():
-            data = content() if callable(content) else content
-            self.backend.write_file(f"{record.staging}/{rel}", [data])
-            files[rel] = FileEntry(len(data), checksum(data))
-        manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics,
-                            format_version=format_version_for(record.kind))
-        # INVARIANT: every data file is durable before the manifest is written (commit does it last).
-        self.backend.commit(record.staging, record.name, manifest.to_bytes())
-        return manifest
-
-
-def _run_quietly(fn: Callable[[], Any], record: Pending) -> None:
-    """Run work that follows a commit; its failure is logged and never stops the committer."""
-    try:
-        fn()
-    except (MpckptError, OSError) as e:
-        log.warning("mpckpt: after committing step %d: %s", record.step, e)
-    except Exception as e:  # a bug in a hook: the commit stands, later commits must go on
-        log.error("mpckpt: after committing step %d: %s: %s", record.step, type(e).__name__, e, exc_info=e)
-

@@ -33,7 +33,7 @@ from multiprocess.connection import wait as mp_wait
 
 from mpckpt._spawn import PROCESS_NAME, uploader_context
 from mpckpt._worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
-from mpckpt.errors import ConfigError, UploadError, WaitTimeoutError
+from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec
 
 DoneCallback = Callable[["Job", "dict[str, Any] | None", "BaseException | None"], None]
@@ -157,10 +157,9 @@ class UploaderPool:
                 slot.process.join(1)
                 code = slot.process.exitcode
                 self.close(timeout_s=5)
-                raise UploadError(
-                    f"{self.spec.root}: an uploader process died while starting (exit code {code}, start "
-                    f"method '{self._ctx.get_start_method()}'); its output above says why"
-                ) from e
+                raise upload_error(
+                    None, f"{self.spec.root}: an uploader process died while starting (exit code {code}, start "
+                    f"method '{self._ctx.get_start_method()}'); its output above says why", e) from e
             if status == "err":
                 self.close(timeout_s=5)
                 cause = payload.rebuild()
@@ -222,9 +221,9 @@ class UploaderPool:
             for slot in self._slots:
                 slot.job = None
         for job in jobs:
-            self._callback(job, None, UploadError(
-                f"step {job.step}: the uploader pool was closed before {job.payload.relpath} was written",
-                step=job.step, shard=job.payload.relpath))
+            self._callback(job, None, upload_error(
+                job.step, f"the uploader pool was closed before {job.payload.relpath} was written",
+                shard=job.payload.relpath))
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, *jobs: Job) -> None:
@@ -363,12 +362,8 @@ class UploaderPool:
                 self._pending.appendleft(job)
             return
         what = job.payload.relpath
-        err = UploadError(
-            f"step {job.step}: uploader process {cause} while writing {what}; "
-            f"tried {job.attempts} time(s)",
-            step=job.step, shard=what,
-        )
-        self._callback(job, None, err)
+        self._callback(job, None, upload_error(
+            job.step, f"uploader process {cause} while writing {what}; tried {job.attempts} time(s)", shard=what))
 
     def _callback(self, job: Job, result: dict[str, Any] | None, error: BaseException | None) -> None:
         try:

@@ -1,7 +1,7 @@
 """What an open Checkpointer holds, and letting go of it, also when nobody closed it.
 
 An open Checkpointer holds the writer lock of its root, uploader processes, shared memory,
-a committer and a dispatcher thread. ``Runtime`` owns all of them and never refers back to
+a committer, a deleter and a dispatcher thread. ``Runtime`` owns all of them and never refers back to
 the ``Checkpointer`` (its background threads reach only the runtime), so a Checkpointer that
 becomes unreachable without ``close()`` (a notebook variable bound again, a script without
 ``with``) can still be finalized. Its finalizer, and an atexit hook for the end of the
@@ -20,22 +20,28 @@ import gc
 import logging
 import os
 import threading
+import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from mpckpt import _shm
 from mpckpt._arena import Arena
-from mpckpt._futures import CheckpointerStats, SaveFuture
+from mpckpt._budget import Budget
+from mpckpt._committer import Committer
+from mpckpt._coordinator import SingleProcess
+from mpckpt._deleter import Deleter
+from mpckpt._directory import DirectoryUploads
+from mpckpt._futures import CheckpointerStats
 from mpckpt._ledger import Ledger, Pending
 from mpckpt._pool import UploaderPool
 from mpckpt._saving import Snapshotter
+from mpckpt._sink import ErrorSink
 from mpckpt.catalog import recover
 from mpckpt.config import Config
-from mpckpt.errors import LockedError, add_note
-from mpckpt.format.manifest import Manifest, checkpoint_name
+from mpckpt.errors import LockedError
+from mpckpt.retention import KeepLast
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
 
@@ -79,101 +85,81 @@ def acquire_writer_lock(backend: Backend, owner: str, where: str) -> WriterLock:
 
 
 class Runtime:
-    """The lock, uploader pool, arena, ledger and snapshotter of one open Checkpointer."""
+    """Everything one open Checkpointer holds, wired together: the pipeline of a checkpoint.
+
+    ``save``: snapshotter (layout, budget, copy) -> uploader pool -> ledger -> committer
+    (coordinator, retention, deleter). ``report``: directory uploads -> the same from the pool
+    on. Background failures come out of one ``ErrorSink``.
+    """
 
     def __init__(self, config: Config, spec: BackendSpec, backend: Backend, *, environ: dict[str, str],
                  owner: str, where: str, pin: bool) -> None:
         self.config = config
         self.backend = backend
         self.closed = False
-        self.stats = CheckpointerStats()
-        self.futures: list[SaveFuture] = []
+        self._stats = CheckpointerStats()
+        self.errors = ErrorSink()
         self.lock = acquire_writer_lock(backend, owner, where)
         self.pool: UploaderPool | None = None
+        self.committer: Committer | None = None
+        self.deleter: Deleter | None = None
+        self.arena: Arena | None = None
         try:
             _shm.reap_orphans()
             found = recover(backend)
             # checkpoints whose manifest does not verify: never deleted, never saved over
             self.damaged = found.damaged
-            self.ledger = Ledger(backend, found.committed, on_committed=self.after_commit,
+            self.ledger = Ledger(found.committed, staging_name=backend.staging_name, on_open=self._opened,
                                  taken_steps=set(self.damaged))
             self.arena = Arena(config.memory_budget_bytes, pin=pin)
             self.pool = UploaderPool(spec, workers=config.workers, start_method=config.start_method,
                                      nice=config.nice, max_attempts=config.max_job_attempts,
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
+            self.errors.add_source(self.pool.take_internal_error)
             self.pool.start()
-            self.saver = Snapshotter(config, backend, spec.root, self.ledger, self.arena, self.pool,
-                                     on_wait=self.raise_unseen)
+            budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen)
+            self.saver = Snapshotter(config, self.ledger, budget, self.pool, self._stats)
+            self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
+            self.deleter = Deleter(backend)
+            retention = KeepLast(config.keep_last) if config.keep_last is not None else None
+            self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
+                                       retention=retention, on_forget=self.saver.frozen.forget_folder)
         except BaseException:
-            if self.pool is not None:
-                self.pool.close(timeout_s=5)
-            if hasattr(self, "ledger"):
-                self.ledger.close(timeout_s=5)
-            if hasattr(self, "arena"):
-                self.arena.close()
+            self._stop_background(timeout_s=5)
             self._let_go_of_lock()
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it
 
-    # -- errors from the background ---------------------------------------------------------
-    def take_unseen(self) -> list[BaseException]:
-        """Failures nobody has seen yet (each is returned once), and the pool's counters."""
-        assert self.pool is not None
-        errors: list[BaseException] = []
-        internal = self.pool.take_internal_error()
-        if internal is not None:
-            errors.append(internal)
-        for fut in self.futures:
-            exc = fut._unseen_exception()
-            if exc is not None:
-                errors.append(exc)
-        self.futures = [f for f in self.futures if not f.done()]
-        self.stats.worker_restarts = self.pool.restarts
-        self.stats.job_retries = self.pool.retries
-        self.stats.peak_shm_bytes = self.arena.peak_bytes
-        return errors
+    def _opened(self, record: Pending) -> None:
+        self._stats.saves.append(record.stats)
+        self.errors.watch(record.future)
 
-    def raise_unseen(self) -> None:
-        errors = self.take_unseen()
-        if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                add_note(first, f"also failed: {other}")
-            raise first
-
-    # -- retention ---------------------------------------------------------------------------
-    def after_commit(self, record: Pending, manifest: Manifest) -> Callable[[], None] | None:
-        """Apply retention: forget doomed checkpoints now, return the deletion to run later."""
-        keep = self.config.keep_last
-        if keep is None:
-            return None
-        from mpckpt.retention import keep_last_n
-
-        with self.ledger.lock:
-            committed = sorted(self.ledger.committed.items())
-            referenced = {e.ref for _, m in committed for e in m.files.values() if e.ref}
-            doomed = [checkpoint_name(step) for (step, _), keep_it in
-                      zip(committed, keep_last_n(committed, keep), strict=True)
-                      if not keep_it and checkpoint_name(step) not in referenced]
-            for name in doomed:
-                self.saver.forget_folder(name)
-                self.ledger.committed.pop(int(name.removeprefix("step_")), None)
-
-        def delete() -> None:
-            for name in doomed:
-                self.backend.delete(name)
-
-        return delete if doomed else None
+    @property
+    def stats(self) -> CheckpointerStats:
+        """The figures of every save, with the pool's and the arena's counters as of now."""
+        if self.pool is not None:
+            self._stats.worker_restarts = self.pool.restarts
+            self._stats.job_retries = self.pool.retries
+        if self.arena is not None:
+            self._stats.peak_shm_bytes = self.arena.peak_bytes
+        return self._stats
 
     # -- closing -----------------------------------------------------------------------------
+    def wait(self, timeout_s: float) -> None:
+        """Block until every pending checkpoint is committed or failed and retention has deleted."""
+        deadline = time.monotonic() + timeout_s
+        self.saver.barrier()
+        self.ledger.wait(timeout_s=timeout_s)
+        if self.deleter is not None:
+            self.deleter.drain(timeout_s=max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         """Wait for every pending checkpoint and free everything; raise failures nobody saw."""
         if self.closed:
             return
         try:
-            self.saver.barrier()
-            self.ledger.wait(timeout_s=self.config.timeout_s)
-            self.raise_unseen()
+            self.wait(self.config.timeout_s)
+            self.errors.raise_unseen()
         finally:
             self.release()
 
@@ -185,14 +171,21 @@ class Runtime:
         atexit.unregister(self.release_unclosed)
         try:
             self.saver.close()
-            # INVARIANT: the pool closes before the ledger: a job it could not finish in time
-            # fails, so its checkpoint settles and the committer can stop
-            if self.pool is not None:
-                self.pool.close()
-            self.ledger.close(timeout_s=self.config.timeout_s)
-            self.arena.close()
+            self._stop_background(timeout_s=self.config.timeout_s)
         finally:
             self._let_go_of_lock()
+
+    def _stop_background(self, *, timeout_s: float) -> None:
+        # INVARIANT: the pool closes before the committer: a job it could not finish in time
+        # fails, so its checkpoint settles and the committer can stop
+        if self.pool is not None:
+            self.pool.close(timeout_s=min(timeout_s, 30.0))
+        if self.committer is not None:
+            self.committer.close(timeout_s=timeout_s)
+        if self.deleter is not None:
+            self.deleter.close(timeout_s=timeout_s)
+        if self.arena is not None:
+            self.arena.close()
 
     def _let_go_of_lock(self) -> None:
         with _held_lock:
@@ -214,7 +207,7 @@ class Runtime:
         except BaseException as e:  # nobody is left to raise it to: log it, never swallow it
             log.error("mpckpt: closing the unclosed Checkpointer of %s: %s: %s", self.backend.url,
                       type(e).__name__, e, exc_info=e)
-            for other in self.take_unseen():
+            for other in self.errors.take_unseen():
                 log.error("mpckpt: %s: %s", type(other).__name__, other)
         finally:
             self.release()

@@ -1,12 +1,18 @@
-"""``Checkpointer``: the context manager a training loop holds.
+"""``Checkpointer``: the context manager a training loop holds; the public face of the pipeline.
+
+It validates what the caller passes (steps, metrics, modes), holds the public API, and
+delegates everything else to the ``Runtime`` it opens, which never refers back to it:
+
+    save   -> _saving.Snapshotter (layout, _budget, _reuse, copy) -> _pool (uploaders)
+    report -> _directory.DirectoryUploads                         -> _pool
+           -> _ledger (records, order) -> _committer (_coordinator, retention, _deleter)
+    queries -> catalog.Catalog over the ledger's committed checkpoints
+    errors  -> _sink.ErrorSink
 
 Opening it checks the root, takes the single-writer lock, removes what a crashed run left
-(staging folders, manifest-less checkpoint folders, orphaned shared memory), reads the
-committed checkpoints, and starts and warms the uploader processes. ``save`` then does, in
-the caller's thread: flatten the state (bad input fails here, before anything is written),
-take a slab from the budget, copy into it, queue one write job per shard, return a future.
-The uploaders write; the ledger commits in save order; leaving the block waits for all of
-it and raises what failed.
+(``catalog.recover``), and starts and warms the uploader processes. ``save`` returns once the
+state is copied (ASYNC) or committed (SYNC); leaving the block waits for all of it and
+raises what failed.
 
 Errors from the background surface exactly once: on the future if the caller looks there,
 otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step and the cause.
@@ -14,23 +20,19 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
 import os
-import shutil
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from mpckpt._copier import estimate_state_bytes
-from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
-from mpckpt._ledger import Pending
+from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._runtime import Runtime, caller_location, finalizer_for
-from mpckpt._saving import skeleton_bytes
 from mpckpt._snapshot import flatten
 from mpckpt.catalog import Catalog, load  # noqa: F401 -- load: mpckpt.load, kept importable here
 from mpckpt.checkpoint import Checkpoint, local_files
@@ -42,7 +44,7 @@ from mpckpt.errors import (
     StepOrderError,
     add_note,
 )
-from mpckpt.format.manifest import SKELETON_NAME, checkpoint_name
+from mpckpt.format.manifest import checkpoint_name
 from mpckpt.restore import apply_state, load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
@@ -73,19 +75,16 @@ class Checkpointer:
             allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
-        self._spec = spec_for_url(root, dict(storage_options or {}))
-        self.backend = open_backend(self._spec)
-        self.backend.check_writable()
+        self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
+        backend = open_backend(self._spec)
+        backend.check_writable()
         self._check_shm()
         # Everything the Checkpointer holds lives in the runtime, which never refers back to
         # it: so an unclosed Checkpointer that nobody references can be finalized.
-        self._rt = Runtime(self.config, self._spec, self.backend, environ=dict(os.environ),
+        self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
                            owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
                            pin=_cuda_available())
         self._finalizer = finalizer_for(self, self._rt)
-        self.pool, self.arena, self.ledger, self._saver = self._rt.pool, self._rt.arena, self._rt.ledger, self._rt.saver
-        self._damaged = self._rt.damaged
-        self.reported: list[dict[str, Any]] = []
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -98,7 +97,14 @@ class Checkpointer:
 
     @property
     def url(self) -> str:
-        return self.backend.url
+        """Where the checkpoints go (never with credentials)."""
+        return self._rt.backend.url
+
+    @property
+    def uploader_pids(self) -> list[int]:
+        """Process ids of the uploader processes (empty when uploads run in threads of this process)."""
+        pool = self._rt.pool
+        return [] if pool is None or pool.in_process else list(pool.pids)
 
     def _check_shm(self) -> None:
         free = _shm_free()
@@ -155,18 +161,6 @@ class Checkpointer:
         optimizer state runs in the background until the next ``optimizer.step()``.
         """
         started = time.perf_counter()
-        # A save allocates an object or two per tensor and creates no cycles: a collection
-        # triggered in here would scan every live tensor on the training thread's time.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._save(started, step, state, metrics=metrics, mode=mode, overlap=overlap)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-
-    def _save(self, started: float, step: int, state: Any, *, metrics: Mapping[str, Any] | None,
-              mode: UploadMode | str, overlap: bool | None) -> SaveFuture:
         self._check_usable()
         self.snapshot_barrier()
         mode = _mode(mode)
@@ -174,63 +168,17 @@ class Checkpointer:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
         step = self._check_step(step)
         metrics = _check_metrics(metrics)
-        flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        layout = self._saver.layout_for(flat)
-        stats = SaveStats(step, bytes=flat.nbytes)
-        first = self._saver.take_slab(layout) if layout.waves else None
-        if layout.waves and first is None:
-            stats.status = "skipped"
-            warnings.warn(f"mpckpt: memory budget full, checkpoint of step {step} skipped (policy 'skip')",
-                          stacklevel=2)
-            return self._returned(self._untracked(stats), UploadMode.ASYNC, started)
-
-        def release_first(record: Pending) -> None:  # unless a wave job or the background copy owns it
-            if first is not None and first not in record.slabs:
-                self.arena.release(first)
-
-        with self._record(step, "state", stats, metrics, on_error=release_first) as record:
-            record.small_files[SKELETON_NAME] = lambda: skeleton_bytes(flat, layout)
-            reuse = self._saver.reuse_unchanged(record, flat, layout)
-            stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
-                                      if s.filename not in reuse.files)
-            overlap = self.config.overlap if overlap is None else bool(overlap)
-            if overlap and len(layout.waves) == 1 and mode is UploadMode.ASYNC:
-                self._saver.snapshot_overlapped(record, state, flat, layout, first, reuse)
-            else:
-                self._saver.snapshot_eager(record, flat, layout, first, reuse)
-        return self._returned(record.future, mode, started)
-
-    # -- the life of one save's or report's record ------------------------------------------------
-    def _untracked(self, stats: SaveStats) -> SaveFuture:
-        future = SaveFuture(stats)
-        self.stats.saves.append(stats)
-        future._resolve(None)
-        return future
-
-    @contextlib.contextmanager
-    def _record(self, step: int, kind: str, stats: SaveStats, metrics: dict[str, Any], *,
-                on_error: Callable[[Pending], None] | None = None) -> Iterator[Pending]:
-        """One checkpoint's record, staged, from ``save``/``report`` until its jobs are queued.
-
-        ``save`` and ``report`` both go through here, so their records cannot drift apart. If
-        the body raises, the record settles as failed (later commits are not held up) and the
-        caller gets the error from this call, once: it is not raised again at the next save,
-        wait or exit.
-        """
-        future = SaveFuture(stats)
-        self.stats.saves.append(stats)
-        record = self.ledger.open(step, kind, future, metrics)
-        self._rt.futures.append(future)
+        overlap = self.config.overlap if overlap is None else bool(overlap)
+        # A save allocates an object or two per tensor and creates no cycles: a collection
+        # triggered in here would scan every live tensor on the training thread's time.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
-            record.staging = self.backend.stage(record.name)
-            yield record
-        except BaseException as e:
-            if on_error is not None:
-                on_error(record)
-            self.ledger.resolve(record, "failed", e)
-            self.ledger.all_submitted(record)
-            future._mark_seen()
-            raise
+            future = self._rt.saver.save(step, state, metrics, overlap=overlap and mode is UploadMode.ASYNC)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return self._returned(future, mode, started)
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
         """Wait for the commit unless ASYNC; record how long the caller was blocked."""
@@ -246,7 +194,7 @@ class Checkpointer:
         parameters or optimizer state (an EMA update, a manual weight edit).
         """
         if not self._closed:
-            self._saver.barrier()
+            self._rt.saver.barrier()
 
     def report(
         self,
@@ -268,10 +216,10 @@ class Checkpointer:
         mode = _mode(mode)
         metrics = _check_metrics(metrics)
         if step is None:
-            step = int(metrics["step"]) if "step" in metrics else (
-                0 if self.ledger.last_step is None else self.ledger.last_step + 1)
+            last = self._rt.ledger.last_step
+            step = int(metrics["step"]) if "step" in metrics else (0 if last is None else last + 1)
         if checkpoint is None:
-            self.reported.append({"step": step, **metrics})
+            self.stats.reported.append({"step": step, **metrics})
             return None
         if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
             raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
@@ -281,34 +229,22 @@ class Checkpointer:
             delete_local_after_upload = mode is UploadMode.ASYNC
         if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":
             raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.url}; with a remote root use ASYNC or SYNC")
-        stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(checkpoint.path, f)) for f in files))
-        with self._record(step, "directory", stats, metrics) as record:
-            if mode is UploadMode.NO_UPLOAD:
-                self._saver.adopt_directory(record, checkpoint.path, files)
-            else:
-                self._saver.submit_upload(record, checkpoint.path, files)
-                if delete_local_after_upload:
-                    record.after_commit.append(lambda: shutil.rmtree(checkpoint.path))
-            record.snapshot_done_at = time.perf_counter()
-            stats.written_bytes = stats.bytes
-            self.ledger.all_submitted(record)
-        return self._returned(record.future, mode, started)
+        future = self._rt.directories.report(step, checkpoint.path, files, metrics,
+                                             upload=mode is not UploadMode.NO_UPLOAD,
+                                             delete_local=delete_local_after_upload)
+        return self._returned(future, mode, started)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed; raise unseen failures."""
         if self._closed:
             return
-        self.snapshot_barrier()
-        self.ledger.wait(timeout_s=self.config.timeout_s if timeout_s is None else timeout_s)
-        self._raise_unseen()
+        self._rt.wait(self.config.timeout_s if timeout_s is None else timeout_s)
+        self._rt.errors.raise_unseen()
 
     def _check_usable(self) -> None:
         if self._closed:
             raise MpckptError("this Checkpointer is closed; open a new one")
-        self._raise_unseen()
-
-    def _raise_unseen(self) -> None:
-        self._rt.raise_unseen()
+        self._rt.errors.raise_unseen()
 
     def _check_step(self, step: Any) -> int:
         if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
@@ -316,7 +252,7 @@ class Checkpointer:
         step = int(step)
         if step < 0:
             raise ConfigError(f"step={step} must not be negative")
-        last = self.ledger.last_step
+        last = self._rt.ledger.last_step
         if last is not None and step <= last:
             raise StepOrderError(
                 f"step {step} is not after the last saved step {last}; steps must increase "
@@ -335,18 +271,18 @@ class Checkpointer:
         need = estimate_state_bytes(state, flat)
         need = min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
         # two slabs: the first save's, and the spare the next save uses while it uploads
-        self.arena.reserve(need, count=2)
+        assert self._rt.arena is not None
+        self._rt.arena.reserve(need, count=2)
         return need
 
     # -- reading ----------------------------------------------------------------------------------
     @property
     def latest_step(self) -> int | None:
         """The newest committed step (never moves past an uncommitted one)."""
-        return self.ledger.latest_step()
+        return self._rt.ledger.latest_step()
 
     def _catalog(self) -> Catalog:
-        with self.ledger.lock:
-            return Catalog(self.ledger.committed)
+        return Catalog(self._rt.ledger.committed())
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -360,7 +296,7 @@ class Checkpointer:
         """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
         manifest = self._catalog().manifest(step, self.url)
         name = checkpoint_name(manifest.step)
-        return Checkpoint(f"{self.url}/{name}", _stored=(self.backend, name, manifest))
+        return Checkpoint(f"{self.url}/{name}", _stored=(self._rt.backend, name, manifest))
 
     def load(self, step: int | None = None) -> Any:
         """The plain nested state of a committed checkpoint (default: the latest)."""
@@ -377,12 +313,12 @@ class Checkpointer:
         Also warms shared memory for saving ``state``.
         """
         self._check_usable()
-        candidates = [step] if step is not None else sorted({*self.steps(), *self._damaged}, reverse=True)
+        candidates = [step] if step is not None else sorted({*self.steps(), *self._rt.damaged}, reverse=True)
         restored = None
         for candidate in candidates:
             try:
-                if candidate in self._damaged:
-                    raise self._damaged[candidate]
+                if candidate in self._rt.damaged:
+                    raise self._rt.damaged[candidate]
                 loaded = self.load(candidate)
             except CorruptCheckpointError as e:
                 if not fallback or step is not None:

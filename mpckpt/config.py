@@ -1,8 +1,14 @@
-"""Frozen settings of a Checkpointer and where each comes from: argument > MPCKPT_* > default.
+"""Every setting of mpckpt and where each comes from: argument > MPCKPT_* > default.
+
+``Config`` holds the frozen settings of a Checkpointer; ``progress_enabled`` answers the one
+setting read outside it (progress bars while loading). Each default is written once, as a
+``DEFAULT_*`` constant. No other module reads an ``MPCKPT_*`` variable: a storage backend
+gets its settings (``direct_io``) as storage options.
 
 The environment is passed in (``Config.resolve(..., environ=os.environ)``) so tests never
 touch the real one. Every bad value raises ``ConfigError`` naming the argument or variable
-and saying what a good value looks like, before anything is written.
+and saying what a good value looks like, before anything is written. A variable set to the
+empty string counts as unset.
 
 The default memory budget comes from what the machine really has: half the available
 memory, no more than 80% of free space in /dev/shm, and no more than half of a cgroup v2
@@ -31,6 +37,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MIN_BUDGET_BYTES = 1 << 20
 MAX_WORKERS = 64
+START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class UploadMode(str, enum.Enum):
@@ -47,6 +54,19 @@ class BudgetPolicy(str, enum.Enum):
     BLOCK = "block"          # wait for uploads to free memory
     SKIP = "skip"            # drop this checkpoint (warning + counter)
     COALESCE = "coalesce"    # replace a pending, not yet started checkpoint with this one
+
+
+# The defaults, each written once (the memory budget's is measured: ``default_budget_bytes``).
+DEFAULT_WORKERS = 2
+DEFAULT_POLICY = BudgetPolicy.BLOCK
+DEFAULT_OVERLAP = False
+DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_JOB_TIMEOUT_S = 300.0
+DEFAULT_MAX_JOB_ATTEMPTS = 3
+DEFAULT_START_METHOD = "forkserver"
+DEFAULT_NICE = 10
+DEFAULT_DIRECT_IO = True   # local files bypass the page cache (O_DIRECT) where the OS has it
+DEFAULT_PROGRESS = True    # a progress bar while loading, when stderr is a terminal
 
 
 def parse_bytes(value: Any, *, setting: str, available: int | None = None) -> int:
@@ -153,21 +173,32 @@ def _parse_bool(value: Any, *, setting: str) -> bool:
     raise ConfigError(f"{setting}={value!r} is not a boolean; use 1/0, true/false")
 
 
+def progress_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether loading may show a progress bar: ``MPCKPT_PROGRESS`` (default on).
+
+    The caller still shows none when stderr is not a terminal.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("MPCKPT_PROGRESS")
+    return DEFAULT_PROGRESS if raw in (None, "") else _parse_bool(raw, setting="MPCKPT_PROGRESS")
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a Checkpointer needs to know, validated."""
 
     memory_budget_bytes: int
     workers: int
-    policy: BudgetPolicy = BudgetPolicy.BLOCK
-    overlap: bool = False
+    policy: BudgetPolicy = DEFAULT_POLICY
+    overlap: bool = DEFAULT_OVERLAP
     allow_pickle: bool = False
     keep_last: int | None = None
-    timeout_s: float = 3600.0
-    max_job_attempts: int = 3
-    start_method: str = "forkserver"
-    nice: int = 10
-    job_timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    max_job_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS
+    start_method: str = DEFAULT_START_METHOD
+    nice: int = DEFAULT_NICE
+    job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
+    direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
 
     def job_deadline_s(self, nbytes: int) -> float:
         """How long one file may take: ``job_timeout_s`` plus a second per MB (1 MB/s floor)."""
@@ -186,12 +217,14 @@ class Config:
         timeout_s: Any = None,
         job_timeout_s: Any = None,
         start_method: Any = None,
+        direct_io: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
         env = os.environ if environ is None else environ
 
         def pick(arg: Any, var: str) -> tuple[Any, str]:
+            """The raw value and the name to blame for it: the argument if given, else the variable."""
             if arg is not None:
                 return arg, var.removeprefix("MPCKPT_").lower()
             return env.get(var), var
@@ -204,19 +237,21 @@ class Config:
             if budget < MIN_BUDGET_BYTES:
                 raise ConfigError(f"{name}={raw!r} is below the 1MiB minimum; give at least '1MiB'")
         raw, name = pick(workers, "MPCKPT_WORKERS")
-        n_workers = 2 if raw in (None, "") else _parse_int(raw, setting=name, low=1, high=MAX_WORKERS)
+        n_workers = DEFAULT_WORKERS if raw in (None, "") else _parse_int(raw, setting=name, low=1, high=MAX_WORKERS)
         raw, name = pick(policy, "MPCKPT_POLICY")
-        chosen_policy = BudgetPolicy.BLOCK if raw in (None, "") else _parse_enum(BudgetPolicy, raw, setting=name)
+        chosen_policy = DEFAULT_POLICY if raw in (None, "") else _parse_enum(BudgetPolicy, raw, setting=name)
         raw, name = pick(overlap, "MPCKPT_OVERLAP")
-        use_overlap = False if raw is None else _parse_bool(raw, setting=name)
+        use_overlap = DEFAULT_OVERLAP if raw in (None, "") else _parse_bool(raw, setting=name)
         raw, name = pick(timeout_s, "MPCKPT_TIMEOUT_S")
-        timeout = 3600.0 if raw in (None, "") else _parse_float(raw, setting=name)
+        timeout = DEFAULT_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
         raw, name = pick(job_timeout_s, "MPCKPT_JOB_TIMEOUT_S")
-        job_timeout = 300.0 if raw in (None, "") else _parse_float(raw, setting=name)
+        job_timeout = DEFAULT_JOB_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
         raw, name = pick(start_method, "MPCKPT_START_METHOD")
-        method = "forkserver" if raw in (None, "") else str(raw)
-        if method not in ("fork", "spawn", "forkserver"):
-            raise ConfigError(f"{name}={raw!r} is not one of 'fork', 'spawn', 'forkserver'")
+        method = DEFAULT_START_METHOD if raw in (None, "") else str(raw)
+        if method not in START_METHODS:
+            raise ConfigError(f"{name}={raw!r} is not one of {', '.join(map(repr, START_METHODS))}")
+        raw, name = pick(direct_io, "MPCKPT_DIRECT_IO")
+        use_direct_io = DEFAULT_DIRECT_IO if raw in (None, "") else _parse_bool(raw, setting=name)
         keep = None
         if keep_last is not None:
             keep = _parse_int(keep_last, setting="keep_last", low=1, high=1 << 31)
@@ -230,4 +265,5 @@ class Config:
             timeout_s=timeout,
             job_timeout_s=job_timeout,
             start_method=method,
+            direct_io=use_direct_io,
         )

@@ -15,10 +15,10 @@
     ├── BudgetError                      the memory budget cannot be honoured (also TimeoutError
     │                                    subclasses below for bounded waits)
     ├── WaitTimeoutError(TimeoutError)   a bounded wait ran out
-    ├── LockedError                      another live writer holds the checkpoint folder
-    └── DistributedCommitError           a rank's part is missing (carries the rank)
+    └── LockedError                      another live writer holds the checkpoint folder
 
-Every error raised from a lower-level cause is chained with ``raise ... from e``. A failure in
+Every error raised from a lower-level cause is chained with ``raise ... from e``. Every
+``UploadError`` is made by ``upload_error``, so all of them read "step N: what failed: cause". A failure in
 an uploader process comes back as the original exception type where it can be rebuilt, with
 the remote traceback attached as a note.
 """
@@ -95,6 +95,17 @@ class UploadError(MpckptError):
         self.shard = shard
 
 
+def upload_error(step: int | None, what: str, cause: BaseException | None = None, *,
+                 shard: str | None = None) -> UploadError:
+    """The one shape of every upload failure: ``step N: <what>[: <Type>: <cause>]``, chained to ``cause``."""
+    message = what if step is None else f"step {step}: {what}"
+    if cause is not None:
+        message += f": {type(cause).__name__}: {cause}"
+    error = UploadError(message, step=step, shard=shard)
+    error.__cause__ = cause
+    return error
+
+
 class BudgetError(MpckptError):
     """The memory budget cannot be honoured for this request."""
 
@@ -105,11 +116,3 @@ class WaitTimeoutError(MpckptError, TimeoutError):
 
 class LockedError(MpckptError):
     """Another live process writes to this checkpoint folder."""
-
-
-class DistributedCommitError(MpckptError):
-    """A rank's part of a distributed checkpoint is missing or failed."""
-
-    def __init__(self, message: str, *, rank: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank

@@ -35,7 +35,6 @@ import concurrent.futures
 import ctypes
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._snapshot import build_tensors, unflatten
+from mpckpt.config import progress_enabled
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
@@ -61,7 +61,7 @@ MAX_SKELETON_BYTES = 1 << 30  # 5M tensors' worth; a bigger one is not ours and 
 
 
 def _progress(total: int, desc: str) -> Any:
-    if not sys.stderr.isatty() or os.environ.get("MPCKPT_PROGRESS", "1") == "0":
+    if not progress_enabled() or not sys.stderr.isatty():  # the setting first: a bad value is an error anywhere
         return None
     try:
         from tqdm import tqdm

@@ -1,35 +1,124 @@
-"""Retention policies as pure functions over committed checkpoints.
+"""Retention policies: objects that decide which committed checkpoints to keep.
 
-A policy takes the committed checkpoints, oldest first, as ``(step, manifest)`` pairs and
-returns one keep/delete decision per entry. Policies never look at the clock or storage
-themselves (``now`` is passed in), so they are tested without either, and they combine:
-``keep_any`` keeps what any policy keeps. The newest checkpoint is always kept, and the
-checkpointer never deletes a folder that a newer manifest still references.
+A policy looks at the committed checkpoints, oldest first, as ``(step, manifest)`` pairs and
+returns one keep/delete decision per entry (``keep``). Policies never look at storage
+themselves, and the clock only through a function they are given, so they are tested
+without either. They combine with ``|``: ``KeepLast(3) | KeepBest(2, "val_loss")`` keeps
+what either keeps. The newest checkpoint is always kept.
+
+Policies only decide. The committer applies the decision after each commit and never deletes
+a folder that a committed or pending checkpoint still references; the ``Deleter`` deletes.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpckpt.errors import ConfigError
 
 Records = Sequence[tuple[int, Any]]
-Policy = Callable[[Records], list[bool]]
 
 
-def _with_newest(keep: list[bool]) -> list[bool]:
-    if keep:
-        keep[-1] = True
-    return keep
+class RetentionPolicy:
+    """Which committed checkpoints to keep; subclasses implement ``votes``."""
+
+    def keep(self, records: Records) -> list[bool]:
+        """One decision per record, oldest first; the newest is always kept."""
+        decisions = list(self.votes(records))
+        if len(decisions) != len(records):
+            raise AssertionError(f"{self!r} decided {len(decisions)} of {len(records)} checkpoints")
+        if decisions:
+            decisions[-1] = True
+        return decisions
+
+    def votes(self, records: Records) -> list[bool]:
+        raise NotImplementedError
+
+    def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
+        if not isinstance(other, RetentionPolicy):
+            return NotImplemented
+        return KeepAny(self, other)
 
 
-def keep_last_n(records: Records, n: int) -> list[bool]:
+class KeepAny(RetentionPolicy):
+    """Keep what any of ``policies`` keeps (what ``a | b`` builds)."""
+
+    policies: tuple[RetentionPolicy, ...]
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        flat: list[RetentionPolicy] = []
+        for policy in policies:
+            flat.extend(policy.policies if isinstance(policy, KeepAny) else [policy])
+        self.policies = tuple(flat)
+
+    def votes(self, records: Records) -> list[bool]:
+        each = [p.votes(records) for p in self.policies]
+        return [any(v[i] for v in each) for i in range(len(records))]
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(p) for p in self.policies)
+
+
+class KeepLast(RetentionPolicy):
     """Keep the ``n`` newest."""
-    if n < 1:
-        raise ConfigError(f"keep_last={n} must be at least 1")
-    return _with_newest([i >= len(records) - n for i in range(len(records))])
+
+    def __init__(self, n: int) -> None:
+        self.n = _positive(n, "KeepLast(n)")
+
+    def votes(self, records: Records) -> list[bool]:
+        return [i >= len(records) - self.n for i in range(len(records))]
+
+    def __repr__(self) -> str:
+        return f"KeepLast({self.n})"
+
+
+class KeepBest(RetentionPolicy):
+    """Keep the ``n`` with the best ``metric`` (those without it, or with NaN, are not kept by this rule)."""
+
+    def __init__(self, n: int, metric: str, mode: str = "min") -> None:
+        self.n = _positive(n, "KeepBest(n)")
+        if mode not in ("min", "max"):
+            raise ConfigError(f"KeepBest(mode={mode!r}): use 'min' or 'max'")
+        self.metric, self.mode = metric, mode
+
+    def votes(self, records: Records) -> list[bool]:
+        best = set(rank_by_metric(records, self.metric, self.mode)[:self.n])
+        return [i in best for i in range(len(records))]
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.n}, {self.metric!r}, {self.mode!r})"
+
+
+class KeepEvery(RetentionPolicy):
+    """Keep checkpoints whose step is a multiple of ``n`` (long-term milestones)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = _positive(n, "KeepEvery(n)")
+
+    def votes(self, records: Records) -> list[bool]:
+        return [step % self.n == 0 for step, _ in records]
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.n})"
+
+
+class KeepNewerThan(RetentionPolicy):
+    """Keep checkpoints created within ``seconds`` before now (``clock``: unix time)."""
+
+    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.time) -> None:
+        if not seconds > 0:
+            raise ConfigError(f"KeepNewerThan({seconds!r}) needs a positive number of seconds")
+        self.seconds, self.clock = float(seconds), clock
+
+    def votes(self, records: Records) -> list[bool]:
+        now = self.clock()
+        return [now - m.created_unix <= self.seconds for _, m in records]
+
+    def __repr__(self) -> str:
+        return f"KeepNewerThan({self.seconds:g})"
 
 
 def rank_by_metric(records: Records, metric: str, mode: str = "min") -> list[int]:
@@ -49,23 +138,7 @@ def rank_by_metric(records: Records, metric: str, mode: str = "min") -> list[int
     return [i for _, i in scored]
 
 
-def keep_best_n(records: Records, n: int, metric: str, mode: str = "min") -> list[bool]:
-    """Keep the ``n`` with the best ``metric`` (checkpoints without it are not kept by this rule)."""
-    best = set(rank_by_metric(records, metric, mode)[:n])
-    return _with_newest([i in best for i in range(len(records))])
-
-
-def keep_every_n_steps(records: Records, n: int) -> list[bool]:
-    """Keep checkpoints whose step is a multiple of ``n`` (long-term milestones)."""
-    return _with_newest([step % n == 0 for step, _ in records])
-
-
-def keep_newer_than(records: Records, seconds: float, now: float) -> list[bool]:
-    """Keep checkpoints created within ``seconds`` before ``now``."""
-    return _with_newest([now - m.created_unix <= seconds for _, m in records])
-
-
-def keep_any(records: Records, *policies: Policy) -> list[bool]:
-    """Keep what any of ``policies`` keeps."""
-    votes = [p(records) for p in policies]
-    return _with_newest([any(v[i] for v in votes) for i in range(len(records))])
+def _positive(n: Any, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{what}={n!r} must be a whole number of at least 1")
+    return n

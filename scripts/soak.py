@@ -86,8 +86,7 @@ def uploader_trial(trial: int, rng: random.Random, tally: Tally, bound_s: float,
 
         def kill() -> None:
             time.sleep(rng.uniform(0.0, 0.8))
-            assert ckpt.pool is not None
-            pid = rng.choice(ckpt.pool.pids)
+            pid = rng.choice(ckpt.uploader_pids)
             try:
                 os.kill(pid, signal.SIGKILL)
                 victim["pid"] = pid
@@ -120,7 +119,7 @@ def uploader_trial(trial: int, rng: random.Random, tally: Tally, bound_s: float,
                 tally.hangs += 1
                 tally.notes.append(f"uploader trial {trial}: close: {e}")
         tally.faults_injected += "pid" in victim
-        tally.uploaders_replaced += ckpt.pool.restarts if ckpt.pool is not None else 0
+        tally.uploaders_replaced += ckpt.stats.worker_restarts
         for e in errors:
             if not _clear(e):
                 tally.unclear_errors += 1

@@ -28,7 +28,7 @@ SCHEME = "ctl"
 
 class ControlledLocal(LocalBackend):
     def __init__(self, root: str, options: dict[str, Any]) -> None:
-        super().__init__(root)
+        super().__init__(root, options)  # reads direct_io; the rules are read below
         self.options = options
 
     @classmethod

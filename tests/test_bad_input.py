@@ -123,7 +123,7 @@ def test_budget_from_environment_and_fraction(tmp_path, monkeypatch):
     monkeypatch.setenv("MPCKPT_WORKERS", "3")
     with mpckpt.Checkpointer(tmp_path) as ckpt:
         assert ckpt.config.memory_budget_bytes == 48 << 20 and ckpt.config.workers == 3
-        assert len(ckpt.pool.pids) == 3
+        assert len(ckpt.uploader_pids) == 3
     with mpckpt.Checkpointer(tmp_path, memory_budget="32MiB", workers=1) as ckpt:  # argument beats env
         assert ckpt.config.memory_budget_bytes == 32 << 20 and ckpt.config.workers == 1
 

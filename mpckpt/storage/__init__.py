@@ -1,6 +1,7 @@
 """Storage backends and the registry that picks one from a URL.
 
-* a plain path or ``file://`` -> ``LocalBackend`` (direct writes, fsync, atomic rename);
+* a plain path or ``file://`` -> ``LocalBackend`` (direct writes, fsync, atomic rename; its
+  one storage option is ``direct_io``);
 * ``az://`` / ``abfs://`` / ``abfss://`` -> ``AzureBlobBackend`` (needs ``mpckpt[azure]``);
 * any other scheme fsspec knows (``memory://``, ``s3://``, ``gs://`` ...) -> ``FsspecBackend``.
 
@@ -32,22 +33,29 @@ def register_backend(scheme: str, factory: str) -> None:
     _REGISTERED[scheme.lower()] = factory
 
 
-def spec_for_url(url: str | os.PathLike[str], options: dict[str, Any] | None = None) -> BackendSpec:
-    """Split a root URL into the backend spec that serves it."""
+def spec_for_url(url: str | os.PathLike[str], options: dict[str, Any] | None = None, *,
+                 direct_io: bool | None = None) -> BackendSpec:
+    """Split a root URL into the backend spec that serves it.
+
+    ``direct_io`` (``Config.direct_io``) applies to local roots only: it becomes their storage
+    option of that name unless ``options`` set it already (the more specific setting wins);
+    other schemes ignore it. The spec carries it into the uploader processes.
+    """
     if not isinstance(url, (str, os.PathLike)):
         raise ConfigError(f"checkpoint root must be a path or URL string, got {type(url).__name__}")
     url = os.fspath(url)
     if not url:
         raise ConfigError("checkpoint root is empty; pass a folder path or a URL such as s3://bucket/run")
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        return BackendSpec("file", os.path.abspath(url), dict(options or {}))
     scheme = scheme.lower()
-    if scheme in _REGISTERED:
+    if sep and scheme in _REGISTERED:
         return BackendSpec(scheme, url, dict(options or {}), factory=_REGISTERED[scheme])
-    if scheme == "file":
-        return BackendSpec("file", os.path.abspath(rest), dict(options or {}))
-    return BackendSpec(scheme, url, dict(options or {}))
+    if sep and scheme != "file":
+        return BackendSpec(scheme, url, dict(options or {}))
+    local = dict(options or {})
+    if direct_io is not None:
+        local.setdefault("direct_io", direct_io)
+    return BackendSpec("file", os.path.abspath(rest if sep else url), local)
 
 
 def open_backend(spec: BackendSpec) -> Backend:
@@ -66,7 +74,7 @@ def open_backend(spec: BackendSpec) -> Backend:
     if spec.scheme == "file":
         from mpckpt.storage.local import LocalBackend
 
-        return LocalBackend(spec.root)
+        return LocalBackend(spec.root, spec.options)
     if spec.scheme in _AZURE_SCHEMES:
         try:
             from mpckpt.storage.azure import AzureBlobBackend

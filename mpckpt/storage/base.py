@@ -6,15 +6,17 @@ folder ``<name>/`` holding data files and, last, ``manifest.json``.
 
 Two commit protocols exist because storages differ in what they make atomic:
 
-* POSIX filesystems can rename a folder atomically, so ``stage`` returns a temporary folder
-  beside the destination, files are fsynced there, and ``commit`` writes the manifest, fsyncs
-  and renames the folder into place.
-* Object stores have no rename, so ``stage`` returns the final prefix itself, data files are
+* POSIX filesystems can rename a folder atomically, so ``staging_name`` names a temporary
+  folder beside the destination, files are fsynced there, and ``commit`` writes the manifest,
+  fsyncs and renames the folder into place.
+* Object stores have no rename, so ``staging_name`` is the final prefix itself, data files are
   written there, and ``commit`` writes the manifest last with a create-only condition. Until
   the manifest exists the checkpoint does not exist for any reader.
 
 Either way: a checkpoint without a valid manifest is never listed or loaded, and ``commit``
-raises ``CommitConflictError`` rather than replace a manifest that is already there.
+raises ``CommitConflictError`` rather than replace a manifest that is already there. It is the
+only place a taken name is refused: ``staging_name`` runs inside ``save()`` on the training
+thread and does no I/O, and the staging folder is created by the first write under it.
 
 Backends are created in the training process and, from their ``spec()``, again inside each
 uploader process; a spec is a small picklable recipe (scheme, root, options). Options can
@@ -65,10 +67,14 @@ class Backend(Protocol):
         ...
 
     # -- writing (uploader processes and the committer) -------------------------------
-    def stage(self, name: str) -> str:
-        """Prepare to write checkpoint ``name``; return the staging folder (relative path).
+    def staging_name(self, name: str) -> str:
+        """The folder (relative path) where checkpoint ``name``'s files go until ``commit``.
 
-        Raises ``CommitConflictError`` if ``name`` is already committed.
+        Pure: no I/O, so ``save()`` may call it on the training thread. ``ConfigError`` if
+        ``name`` is not a valid checkpoint name. Nothing is created (the first write under the
+        folder creates it) and nothing is checked: a committed ``name`` is refused by
+        ``commit``. Local disk: a fresh ``.tmp.<name>.<pid>.<token>`` on every call; object
+        stores: ``name`` itself.
         """
         ...
 
@@ -76,12 +82,24 @@ class Backend(Protocol):
         """Write the concatenation of ``parts`` as one file, durably (fsync or equivalent).
 
         ``parts`` are usually memoryview slices of shared memory: never copy them whole.
-        Overwrites a partial file left by an earlier attempt at the same path.
+        Overwrites a partial file left by an earlier attempt at the same path. Missing folders
+        above it (the staging folder too) are created, never through a link.
         """
         ...
 
     def upload_file(self, relpath: str, local_path: str) -> None:
-        """Copy a file from the local filesystem to ``relpath``, durably."""
+        """Copy a file from the local filesystem to ``relpath``, durably (folders as ``write_file``)."""
+        ...
+
+    def adopt_folder(self, local_path: str, relpath: str) -> None:
+        """Move the local folder ``local_path`` to ``relpath`` (for ``mode=NO_UPLOAD``).
+
+        Local disk only: one rename, never through a link: ``local_path`` must be a folder, not
+        a link to one (``ConfigError``), and no folder below the root is followed. The folders
+        above ``relpath`` are created. ``ConfigError`` naming both paths if ``local_path`` is on
+        another filesystem than the root. Object stores raise ``ConfigError``: adopting a
+        folder needs a local root.
+        """
         ...
 
     def commit(self, staging: str, name: str, manifest: bytes) -> None:
@@ -92,7 +110,10 @@ class Backend(Protocol):
         ...
 
     def abort(self, staging: str) -> None:
-        """Remove what a failed attempt wrote under ``staging`` (never a committed manifest)."""
+        """Remove what a failed attempt wrote under ``staging`` (never a committed manifest).
+
+        Quiet when nothing was ever written there (the staging folder was never created).
+        """
         ...
 
     # -- reading ------------------------------------------------------------------------
@@ -139,7 +160,7 @@ class Backend(Protocol):
         ...
 
     def cleanup_incomplete(self) -> list[str]:
-        """Remove staging folders this backend's ``stage`` left behind; return their paths.
+        """Remove staging folders this backend's ``staging_name`` named; return their paths.
 
         Called at open while the writer lock is held, so no live writer owns them. Folders
         without a manifest under a checkpoint's own name are removed by the ledger through

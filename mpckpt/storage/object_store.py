@@ -6,16 +6,22 @@ create-only put, the client set-up and the translation of its client's errors).
 
 Protocol (an object store has no rename, so nothing can be published by moving it):
 
-* ``stage(name)`` returns ``name`` itself: data files are written straight to their final
-  keys. It refuses a name whose manifest exists. It costs one request, because it runs
-  inside ``save()``; leftovers of a failed attempt are removed by ``abort`` and, after a
-  crash, by the ledger's recovery scan at the next open (through ``delete``).
+* ``staging_name(name)`` is ``name`` itself: data files are written straight to their final
+  keys, and there are no folders to create. It makes no request (it runs inside ``save()``
+  on the training thread), so it does not look for a manifest either: a taken name is
+  refused by ``commit`` alone. That is safe because the single-writer lease keeps other
+  writers out and a writer never reuses a step it committed (steps only increase), so data
+  files are never written under a committed checkpoint. Leftovers of a failed attempt are
+  removed by ``abort`` and, after a crash, by the ledger's recovery scan at the next open
+  (through ``delete``).
 * ``commit`` writes ``manifest.json`` last, with a create-only condition: ``If-None-Match: *``
   where the store evaluates it atomically (S3 through s3fs, Azure), otherwise check-then-write.
   A commit whose earlier attempt landed before its reply was lost recognises its own manifest
   and succeeds; any other manifest already there is ``CommitConflictError`` and stays as it is.
-* ``abort`` never removes a committed checkpoint (by us or another writer); ``delete`` removes
-  the manifest first, so the checkpoint stops existing at once even if the rest fails.
+* ``abort`` never removes a committed checkpoint (by us or another writer), and is quiet when
+  nothing was written; ``delete`` removes the manifest first, so the checkpoint stops
+  existing at once even if the rest fails.
+* ``adopt_folder`` (``mode=NO_UPLOAD``) is refused: moving a local folder needs a local root.
 * ``cleanup_incomplete`` has nothing to do: a staging folder *is* the checkpoint's name, and
   the ledger deletes folders without a manifest.
 
@@ -171,17 +177,18 @@ class ObjectStoreBackend(abc.ABC):
         return lock.acquire()
 
     # -- writing ------------------------------------------------------------------------
-    def stage(self, name: str) -> str:
-        if self.exists(f"{name}/{MANIFEST_NAME}"):
-            raise CommitConflictError(f"checkpoint {name} already exists in {self.url}; it is never overwritten")
-        # One request only: stage runs inside save(). Leftovers of a failed attempt are removed
-        # by abort() and, after a crash, by the recovery scan at the next open.
+    def staging_name(self, name: str) -> str:
+        check_relpath(name)  # no request: save() calls this; commit refuses a taken name
         return name
 
     def upload_file(self, relpath: str, local_path: str) -> None:
         if not os.path.isfile(local_path):
             raise CheckpointNotFoundError(f"cannot upload {local_path}: it does not exist")
         self._upload(relpath, local_path)
+
+    def adopt_folder(self, local_path: str, relpath: str) -> None:
+        raise ConfigError(f"mode=NO_UPLOAD moves a local folder into place, which needs a local root: cannot "
+                          f"move {local_path} to {self._show(relpath)}; with {self._scheme}:// use ASYNC or SYNC")
 
     def commit(self, staging: str, name: str, manifest: bytes) -> None:
         if check_relpath(staging) != check_relpath(name):

@@ -11,11 +11,15 @@ real processes, or by wrapping one real call so that it fails.
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
+import shutil
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,7 +43,7 @@ MANIFEST = json.dumps({"files": {"shard-0.safetensors": len(DATA)}}).encode()
 
 
 def put_checkpoint(b: Backend, name: str, manifest: bytes = MANIFEST, data: bytes = DATA) -> None:
-    staging = b.stage(name)
+    staging = b.staging_name(name)
     view = memoryview(data)
     b.write_file(f"{staging}/shard-0.safetensors", [view[:1000], view[1000:]])
     b.commit(staging, name, manifest)
@@ -95,29 +99,33 @@ class BackendContract:
         assert backend.read_bytes("loose/file.bin") == b"short"
 
     def test_no_manifest_is_visible_before_commit(self, backend: Backend) -> None:
-        staging = backend.stage("step-1")
+        staging = backend.staging_name("step-1")
         backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         assert not backend.exists(f"step-1/{MANIFEST_NAME}")
         backend.commit(staging, "step-1", MANIFEST)
         assert backend.exists(f"step-1/{MANIFEST_NAME}")
 
     def test_leftovers_of_a_failed_attempt_do_not_survive_a_commit(self, backend: Backend) -> None:
-        failed = backend.stage("step-1")
+        failed = backend.staging_name("step-1")
         backend.write_file(f"{failed}/junk-from-failed-attempt", [b"junk"])
         backend.abort(failed)  # what the ledger does when an attempt fails
         put_checkpoint(backend, "step-1")
         assert not backend.exists("step-1/junk-from-failed-attempt")
         assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
 
-    def test_stage_refuses_a_committed_name(self, backend: Backend) -> None:
+    def test_commit_refuses_a_committed_name(self, backend: Backend) -> None:
         put_checkpoint(backend, "step-1")
+        staging = backend.staging_name("step-1")  # no check here: it makes no request
         with pytest.raises(CommitConflictError, match="step-1"):
-            backend.stage("step-1")
+            backend.commit(staging, "step-1", b'{"the": "loser"}')
+        assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
+        assert backend.read_bytes("step-1/shard-0.safetensors") == DATA
+        backend.abort(staging)  # what the ledger does after a failed commit
         assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
 
     def test_commit_conflict_never_replaces_a_committed_manifest(self, backend: Backend) -> None:
-        first = backend.stage("step-1")
-        second = backend.stage("step-1")  # two writers racing for the same name
+        first = backend.staging_name("step-1")
+        second = backend.staging_name("step-1")  # two writers racing for the same name
         backend.write_file(f"{first}/shard-0.safetensors", [DATA])
         backend.commit(first, "step-1", MANIFEST)
         with pytest.raises(CommitConflictError, match="step-1"):
@@ -128,8 +136,8 @@ class BackendContract:
     def test_the_create_only_condition_holds_inside_the_race_window(
             self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
         """Both writers passed every existence check; the store itself must refuse the second."""
-        first = backend.stage("step-1")
-        second = backend.stage("step-1")
+        first = backend.staging_name("step-1")
+        second = backend.staging_name("step-1")
         backend.commit(first, "step-1", MANIFEST)
         monkeypatch.setattr(backend, "exists", lambda relpath: False)
         with pytest.raises(CommitConflictError, match="step-1"):
@@ -138,7 +146,7 @@ class BackendContract:
         assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
 
     def test_abort_removes_the_attempt_but_never_a_committed_checkpoint(self, backend: Backend) -> None:
-        staging = backend.stage("step-2")
+        staging = backend.staging_name("step-2")
         backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         backend.abort(staging)
         assert not backend.exists(f"{staging}/shard-0.safetensors")
@@ -153,6 +161,40 @@ class BackendContract:
         assert backend.read_bytes("dir-ckpt/model.ckpt") == DATA * 3
         with pytest.raises(CheckpointNotFoundError, match="nope"):
             backend.upload_file("dir-ckpt/other", str(tmp_path / "nope"))
+
+    def test_staging_name_touches_no_storage(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        before = self.stored(backend)
+        names = {backend.staging_name("step-2"), backend.staging_name("step-1")}  # a committed name too
+        assert self.stored(backend) == before and backend.list_names() == ["step-1"]
+        assert all(not backend.exists(f"{staging}/{MANIFEST_NAME}") for staging in names - {"step-1"})
+        for bad in ("../escape", "", "/absolute", "."):
+            with pytest.raises(ConfigError):
+                backend.staging_name(bad)
+
+    def test_files_go_under_a_staging_folder_that_was_never_created(self, backend: Backend, tmp_path: Any) -> None:
+        local = tmp_path / "model.ckpt"
+        local.write_bytes(DATA[:100])
+        for name, write in (("step-1", lambda rel: backend.write_file(rel, [DATA])),
+                            ("step-2", lambda rel: backend.upload_file(rel, str(local))),
+                            ("step-3", None)):  # a commit with no data file creates it too
+            staging = backend.staging_name(name)
+            if write is not None:
+                write(f"{staging}/deep/er/file.bin")
+            backend.commit(staging, name, MANIFEST)
+        assert backend.read_bytes("step-1/deep/er/file.bin") == DATA
+        assert backend.read_bytes("step-2/deep/er/file.bin") == DATA[:100]
+        assert backend.read_bytes(f"step-3/{MANIFEST_NAME}") == MANIFEST
+        assert backend.list_names() == ["step-1", "step-2", "step-3"]
+
+    def test_abort_of_a_staging_folder_never_created_is_quiet(self, backend: Backend) -> None:
+        before = self.stored(backend)
+        backend.abort(backend.staging_name("step-1"))
+        assert self.stored(backend) == before and backend.list_names() == []
+
+    def stored(self, backend: Backend) -> Any:
+        """Everything under the root as raw storage lists it (subclasses look closer)."""
+        return backend.list_names()
 
     # -- reading ------------------------------------------------------------------------
     @pytest.mark.parametrize(("offset", "length"), [(0, 10), (1000, 3000), (len(DATA) - 7, 7), (5, 0),
@@ -220,7 +262,8 @@ class BackendContract:
 
     def test_cleanup_incomplete_keeps_committed_checkpoints(self, backend: Backend) -> None:
         put_checkpoint(backend, "step-1")
-        backend.stage("step-2")
+        staging = backend.staging_name("step-2")
+        backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         removed = backend.cleanup_incomplete()
         assert all(isinstance(r, str) for r in removed)
         assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
@@ -329,7 +372,87 @@ class TestLocal(BackendContract):
 
         def boom(*args: Any, **kwargs: Any) -> None:
             raise InjectedFault("remove tree")
-        monkeypatch.setattr(local, "_remove_tree", boom)  # the manifest's unlink comes first
+        monkeypatch.setattr(local, "remove_tree", boom)  # the manifest's unlink comes first
+
+    def stored(self, backend: Any) -> Any:
+        root = Path(backend.root)
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else None
+
+    def test_commit_refuses_what_is_not_a_checkpoint_folder(self, backend: Any, tmp_path: Any) -> None:
+        root = Path(backend.root)
+        (root / "step-1").write_bytes(b"a file where the checkpoint folder goes")
+        os.symlink(tmp_path, root / "step-2")
+        (root / "step-3").mkdir()
+        (root / "step-3" / MANIFEST_NAME).write_bytes(b'{"torn')  # a damaged manifest is still taken
+        for name, why in (("step-1", "is a regular file"), ("step-2", "is a symbolic link"),
+                          ("step-3", "step-3 already exists")):
+            staging = backend.staging_name(name)
+            backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
+            with pytest.raises(CommitConflictError, match=why):
+                backend.commit(staging, name, MANIFEST)
+            backend.abort(staging)
+        assert self.stored(backend) == ["step-1", "step-2", "step-3", f"step-3/{MANIFEST_NAME}"]
+        assert (root / "step-2").is_symlink() and list(tmp_path.iterdir()) == [root]
+
+    def test_adopt_folder_moves_the_folder_into_a_staging_folder(self, backend: Any, tmp_path: Any) -> None:
+        user = tmp_path / "exported"
+        (user / "sub").mkdir(parents=True)
+        (user / "config.json").write_bytes(b"{}")
+        (user / "sub" / "weights.bin").write_bytes(DATA)
+        staging = backend.staging_name("step-1")
+        backend.adopt_folder(str(user), f"{staging}/files")
+        assert not user.exists()
+        backend.commit(staging, "step-1", MANIFEST)
+        assert backend.read_bytes("step-1/files/sub/weights.bin") == DATA
+        assert backend.read_bytes("step-1/files/config.json") == b"{}"
+
+    def test_adopt_folder_refuses_a_link_and_what_is_no_folder(self, backend: Any, tmp_path: Any) -> None:
+        user = tmp_path / "exported"
+        user.mkdir()
+        (user / "weights.bin").write_bytes(DATA)
+        os.symlink(user, tmp_path / "link")
+        staging = backend.staging_name("step-1")
+        for path, why in ((tmp_path / "link", "is a symbolic link"), (user / "weights.bin", "is a regular file")):
+            with pytest.raises(ConfigError, match=re.escape(f"{path} {why}, not a folder")):
+                backend.adopt_folder(str(path), f"{staging}/files")
+        with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+            backend.adopt_folder(str(tmp_path / "nope"), f"{staging}/files")
+        assert self.stored(backend) == [] and (tmp_path / "link").is_symlink()
+        assert (user / "weights.bin").read_bytes() == DATA
+
+    def test_adopt_folder_from_another_filesystem_is_a_config_error(self, backend: Any) -> None:
+        shm = Path("/dev/shm")
+        if not shm.is_dir() or os.stat(shm).st_dev == os.stat(backend.root).st_dev:
+            pytest.skip("needs /dev/shm on another filesystem than the test folder")
+        user = shm / f"mpckpt-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        user.mkdir()
+        try:
+            (user / "weights.bin").write_bytes(DATA)
+            staging = backend.staging_name("step-1")
+            with pytest.raises(ConfigError, match="same filesystem") as info:
+                backend.adopt_folder(str(user), f"{staging}/files")
+            assert str(user) in str(info.value) and f"{staging}/files" in str(info.value)
+            assert "ASYNC" in str(info.value) and (user / "weights.bin").read_bytes() == DATA
+        finally:
+            shutil.rmtree(user)
+
+    def test_direct_io_is_a_storage_option_carried_by_the_spec(self, tmp_path: Any) -> None:
+        from mpckpt.storage import spec_for_url
+
+        root = str(tmp_path / "root")
+        assert LocalBackend(root).direct_io == hasattr(os, "O_DIRECT")
+        specs = (spec_for_url(root, {"direct_io": False}), spec_for_url(root, direct_io=False),
+                 spec_for_url(f"file://{root}", {"direct_io": False}, direct_io=True))  # the option wins
+        for i, spec in enumerate(specs):
+            backend = open_backend(pickle.loads(pickle.dumps(spec)))  # as an uploader builds it
+            again = open_backend(pickle.loads(pickle.dumps(backend.spec())))
+            assert backend.direct_io is False and again.direct_io is False
+            again.write_file(f"loose/{i}.bin", [DATA * 200])  # 2 MiB: the O_DIRECT path when it is on
+            assert backend.read_bytes(f"loose/{i}.bin") == DATA * 200
+        assert "direct_io" not in spec_for_url("memory://x/y", direct_io=False).options  # local roots only
+        with pytest.raises(ConfigError, match="direct_io"):
+            open_backend(spec_for_url(root, {"direct_io": "no"}))
+        assert open_backend(spec_for_url(root, {"unknown": 1})).url == root  # ignored, as ever
 
     def test_missing_bucket_is_a_config_error_naming_the_url(self, missing_root: Backend | None) -> None:
         assert missing_root is not None
@@ -362,6 +485,20 @@ class ObjectStoreContract(BackendContract):
 
     def leave_dead_lock(self, backend: Backend) -> None:
         _write_expired_lease(backend)
+
+    def test_staging_name_makes_no_request(self, backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        def no_request(*args: Any, **kwargs: Any) -> None:
+            raise InjectedFault("staging_name made a request")
+        monkeypatch.setattr(backend, "_call", no_request)
+        monkeypatch.setattr(backend, "exists", no_request)
+        assert backend.staging_name("step-1") == "step-1"
+
+    def test_adopt_folder_needs_a_local_root(self, backend: Any, tmp_path: Any) -> None:
+        (tmp_path / "exported").mkdir()
+        with pytest.raises(ConfigError, match="NO_UPLOAD.*local root") as info:
+            backend.adopt_folder(str(tmp_path / "exported"), "step-1/files")
+        assert str(tmp_path / "exported") in str(info.value) and (tmp_path / "exported").is_dir()
+        assert backend.list_names() == []
 
     def test_lease_expiry_is_renewed(self, backend: Any) -> None:
         lock = backend.acquire_writer_lock("writer-a")

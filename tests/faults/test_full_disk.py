@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import mpckpt
+from mpckpt import _testing
 from mpckpt.errors import StorageFullError, UploadError
 from tests.conftest import assert_same
 
@@ -121,7 +122,7 @@ def test_enospc_fails_the_save_cleanly_and_the_next_save_succeeds(small_fs: Path
         assert ckpt.steps() == [0]
         assert sorted(os.listdir(root)) == [".mpckpt.lock", "step_0000000000"]  # no step 1, no staging folder
         assert shutil.disk_usage(small_fs).free >= free_before  # what the failed save wrote is gone
-        assert all(not slab.in_use for slab in ckpt.arena._slabs)
+        assert all(not slab.in_use for slab in _testing.slabs(ckpt))
         assert_same({"layers": first["layers"], "seed": 0}, ckpt.load(0))
 
         filler.unlink()

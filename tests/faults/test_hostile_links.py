@@ -455,8 +455,9 @@ def test_a_link_planted_in_a_staging_folder_is_never_written_through(
         tmp_path: Path, victim: Path, plant: str, how: str) -> None:
     b = LocalBackend(str(tmp_path / "run"))
     b.check_writable()
-    staging = b.stage("step_0000000007")
+    staging = b.staging_name("step_0000000007")
     folder = tmp_path / "run" / staging
+    folder.mkdir()  # as an earlier file of this checkpoint would have
     victim_dir, nowhere = tmp_path / "victim-dir", tmp_path / "would-be-created"
     victim_dir.mkdir()
     target = folder / "shard.safetensors"
@@ -492,3 +493,29 @@ def test_a_link_planted_in_a_staging_folder_is_never_written_through(
     else:  # the planted entry was replaced by a file of its own
         assert refusal is None and not target.is_symlink() and target.stat().st_nlink == 1
         assert target.read_bytes() == data
+
+
+@pytest.mark.parametrize("how", ["write_file", "upload_file", "adopt_folder"])
+def test_a_link_planted_as_the_staging_folder_is_never_written_through(
+        tmp_path: Path, victim: Path, how: str) -> None:
+    """The first write creates the staging folder: a link planted under its name is refused."""
+    b = LocalBackend(str(tmp_path / "run"))
+    b.check_writable()
+    staging = b.staging_name("step_0000000007")
+    victim_dir = tmp_path / "victim-dir"
+    victim_dir.mkdir()
+    os.symlink(victim_dir, tmp_path / "run" / staging)
+    src = tmp_path / "user-folder"
+    src.mkdir()
+    (src / "model.bin").write_bytes(b"m" * 100)
+    with pytest.raises(StorageError, match=re.escape(f"{tmp_path / 'run' / staging} is a symbolic link")):
+        if how == "write_file":
+            b.write_file(f"{staging}/shard.safetensors", [b"x" * 100])
+        elif how == "upload_file":
+            b.upload_file(f"{staging}/shard.safetensors", str(src / "model.bin"))
+        else:
+            b.adopt_folder(str(src), f"{staging}/files")
+    assert list(victim_dir.iterdir()) == [] and (src / "model.bin").read_bytes() == b"m" * 100
+    assert (tmp_path / "run" / staging).is_symlink()  # not ours to remove at a write; abort unlinks it
+    b.abort(staging)
+    assert not os.path.lexists(tmp_path / "run" / staging) and victim_dir.is_dir()

@@ -36,7 +36,7 @@ def test_one_gib_through_a_64_mib_budget(tmp_path):
         with mpckpt.Checkpointer(tmp_path, memory_budget="64MiB", workers=2) as ckpt:
             future = ckpt.save(0, state)
             ckpt.wait(timeout_s=300)
-            peak_reported = ckpt.arena.peak_bytes
+            peak_reported = ckpt.stats.peak_shm_bytes
         assert future.result(0).name == "step_0000000000"
     assert 0 < sampler.peak <= budget, sampler.peak
     assert 0 < peak_reported <= budget, peak_reported
@@ -80,7 +80,7 @@ def test_dev_shm_between_64_mib_and_the_budget_warns_and_lowers_the_budget(tmp_p
         state = {f"t{i}": torch.arange(16 * MiB, dtype=torch.float32) + i for i in range(4)}  # 256 MiB
         ckpt.save(0, state)
         ckpt.wait(timeout_s=120)
-        assert ckpt.arena.peak_bytes <= budget
+        assert ckpt.stats.peak_shm_bytes <= budget
     loaded = mpckpt.load(tmp_path / "run")
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key

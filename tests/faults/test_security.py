@@ -21,14 +21,14 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt import _shm
+from mpckpt import _shm, _testing
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
 NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]{32})-([0-9a-f]+)$")
 
 
 def _slab_names(ckpt: mpckpt.Checkpointer) -> list[str]:
-    return [slab.name for slab in ckpt.arena._slabs]
+    return [slab.name for slab in _testing.slabs(ckpt)]
 
 
 def test_slabs_are_private_and_unguessable(tmp_path):

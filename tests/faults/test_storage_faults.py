@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import mpckpt
+from mpckpt import _testing
 from mpckpt.errors import MpckptError, UploadError
 from mpckpt.format.manifest import checkpoint_name
 from tests.conftest import assert_same
@@ -119,7 +120,7 @@ def test_transient_faults_are_retried_and_saves_restore_bit_identical(store: Sto
         proxy.clear()
         assert [r.name for r in results] == [checkpoint_name(s) for s in (1, 2, 3)]
         assert ckpt.steps() == [0, 1, 2, 3]
-        assert all(not slab.in_use for slab in ckpt.arena._slabs)
+        assert all(not slab.in_use for slab in _testing.slabs(ckpt))
     for kind in ("reset", "http_503", "truncate"):
         assert proxy.injected[kind] >= 1, (kind, proxy.injected)
     for step in (0, 1, 2, 3):  # read past the proxy: what is stored is what was saved
@@ -155,7 +156,7 @@ def test_persistent_fault_fails_the_save_cleanly_and_the_next_save_succeeds(stor
         assert "step 2" in str(info.value)
         assert ckpt.steps() == [1]
         assert not store.manifest_exists(2)
-        assert all(not slab.in_use for slab in ckpt.arena._slabs)
+        assert all(not slab.in_use for slab in _testing.slabs(ckpt))
         ckpt.wait()  # the failure was seen on the future: not raised a second time
         assert _result(ckpt.save(3, _state(3))).name == checkpoint_name(3)
         assert ckpt.steps() == [1, 3]
@@ -173,17 +174,18 @@ def test_stall_longer_than_the_read_timeout_is_retried(store: Store) -> None:
     proxy.stall_s = 10 * BOUND_S  # never lets go within the test: only the client's timeout can end it
     try:
         with mpckpt.Checkpointer(store.url, storage_options=store.options, workers=2, timeout_s=BOUND_S) as ckpt:
-            # reads, listings and deletes (writes: see the next test)
+            assert _result(ckpt.save(0, _state(0))).name == checkpoint_name(0)
+            # reads and listings (writes: see the next test); a save itself reads nothing
             proxy.inject("stall", times=2, match=lambda m, p: m != "PUT" and ".mpckpt.lock" not in p)
             started = time.monotonic()
-            result = _result(ckpt.save(0, _state(0)))  # committing at all means the client gave up
+            loaded = mpckpt.load(store.url, storage_options=store.options)  # loading at all means the client gave up
             elapsed = time.monotonic() - started
-            assert result.name == checkpoint_name(0)
     finally:
         proxy.release_stalls()
     assert proxy.injected["stall"] == 2
+    assert_same(_state(0), loaded)
     assert_same(_state(0), mpckpt.load(store.url, storage_options=store.direct))
-    print(f"\n[{store.backend}] transient stall: committed after {elapsed:.1f}s, injected {dict(proxy.injected)}")
+    print(f"\n[{store.backend}] transient stall: loaded after {elapsed:.1f}s, injected {dict(proxy.injected)}")
 
 
 def test_stalled_writes_end_in_a_read_timeout(store: Store, request: pytest.FixtureRequest) -> None:

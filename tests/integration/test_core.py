@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import mpckpt
-from mpckpt import _shm
+from mpckpt import _shm, _testing
 from mpckpt.errors import UploadError
 from tests.backends import ctl_url
 from tests.conftest import assert_same, make_model, train_step
@@ -183,7 +183,7 @@ def test_budget_is_never_exceeded_and_a_state_four_times_larger_saves(tmp_path):
         for step in range(3):
             ckpt.save(step, state)
         ckpt.wait()
-        peak_reported = ckpt.arena.peak_bytes
+        peak_reported = ckpt.stats.peak_shm_bytes
     assert 0 < sampler.peak <= budget
     assert peak_reported <= budget
     loaded = mpckpt.load(tmp_path)
@@ -235,11 +235,11 @@ def test_dead_uploader_is_replaced_and_its_job_retried(tmp_path):
     opts = {"kill_worker": [r"step_0000000001\..*shard-00000"], "marker_dir": str(markers)}
     state = {"a": torch.randn(1000), "b": torch.randn(1000)}
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=2, storage_options=opts) as ckpt:
-        pids_before = set(ckpt.pool.pids)
+        pids_before = set(ckpt.uploader_pids)
         ckpt.save(1, state)
         ckpt.wait(timeout_s=60)
-        assert ckpt.pool.restarts == 1 and ckpt.pool.retries == 1
-        assert set(ckpt.pool.pids) != pids_before
+        assert ckpt.stats.worker_restarts == 1 and ckpt.stats.job_retries == 1
+        assert set(ckpt.uploader_pids) != pids_before
     assert ckpt.steps() == [1]
     assert_same(state, mpckpt.load(tmp_path / "run"))
 
@@ -267,7 +267,7 @@ def test_coalesce_replaces_a_queued_checkpoint(tmp_path):
                              storage_options=opts) as ckpt:
         ckpt.save(0, state)          # uploading (slow)
         deadline = time.monotonic() + 30
-        while not ckpt.pool.started(0):  # the worker took step 0's job (seq 0): the next one queues
+        while not _testing.upload_started(ckpt, 0):  # the worker took step 0's job (seq 0): the next one queues
             assert time.monotonic() < deadline
             time.sleep(0.01)
         f1 = ckpt.save(1, state)     # queued behind it
@@ -331,7 +331,7 @@ def test_memory_filesystem_uses_in_process_uploaders(tmp_path):
     train_step(model, opt, 0)
     state = {"model": model, "optim": opt}
     with mpckpt.Checkpointer(url, workers=2) as ckpt:
-        assert ckpt.pool.in_process
+        assert _testing.uploads_in_process(ckpt)
         ckpt.save(0, state)
         ckpt.save(1, state, mode="sync")
     assert ckpt.steps() == [0, 1]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mpckpt
+from mpckpt import _testing
 from tests.conftest import assert_same
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -20,7 +21,7 @@ def test_cuda_state_round_trips_through_pinned_slabs(tmp_path):
     state = {"model": model, "optim": opt, "bf16": torch.randn(33, device="cuda").to(torch.bfloat16)}
     with mpckpt.Checkpointer(tmp_path, workers=2) as ckpt:
         ckpt.save(0, state, mode="sync")
-        assert any(s.pinned for s in ckpt.arena._slabs)
+        assert any(s.pinned for s in _testing.slabs(ckpt))
         ckpt.save(1, state, overlap=True)
         model(torch.randn(4, 512, device="cuda")).sum().backward()
         opt.step()  # waits for the overlapped copy first

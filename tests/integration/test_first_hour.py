@@ -77,9 +77,8 @@ def test_open_fails_when_the_uploaders_cannot_write(tmp_path):
 def test_uploader_processes_are_named_in_ps(tmp_path):
     root = tmp_path / "named"
     with mpckpt.Checkpointer(root, workers=2) as ckpt:
-        assert ckpt.pool is not None
-        titles = sorted(" ".join(psutil.Process(pid).cmdline()).strip() for pid in ckpt.pool.pids)
-        names = {psutil.Process(pid).name() for pid in ckpt.pool.pids}
+        titles = sorted(" ".join(psutil.Process(pid).cmdline()).strip() for pid in ckpt.uploader_pids)
+        names = {psutil.Process(pid).name() for pid in ckpt.uploader_pids}
     assert titles == [f"mpckpt-uploader 0 {root}", f"mpckpt-uploader 1 {root}"]
     assert names == {"mpckpt-uploader"}  # the kernel's name: 15 characters
 
@@ -133,8 +132,7 @@ def test_an_unreachable_checkpointer_lets_go_of_everything(tmp_path):
     root = tmp_path / "nb"
     ckpt = mpckpt.Checkpointer(root, workers=2)
     ckpt.save(0, {"w": torch.arange(100.0)})
-    assert ckpt.pool is not None
-    children = [psutil.Process(pid) for pid in ckpt.pool.pids]
+    children = [psutil.Process(pid) for pid in ckpt.uploader_pids]
     mine = f"{_shm.PREFIX}{os.getpid()}-"
     assert any(n.startswith(mine) for n in _shm.list_segments())
     with pytest.warns(ResourceWarning, match="not closed"):

@@ -1,27 +1,33 @@
-"""The sequencing ledger on its own, over a real ``LocalBackend`` in ``tmp_path`` (no mocks).
+"""The sequencing ledger and the committer on their own, over a real ``LocalBackend`` in ``tmp_path``.
 
-Records are driven the way ``_saving``/``checkpointer`` drive them: ``open``, ``staging =
-backend.stage(...)``, jobs counted under ``ledger.lock``, then ``file_done`` / ``file_failed`` /
-``all_submitted`` / ``resolve``. Covered: commits strictly in sequence order while later
+No uploader pool and no snapshot: records are driven the way ``_saving`` and ``_directory``
+drive them: ``recording``, ``add_jobs``, ``all_submitted``, and the pool callback
+``job_done`` called as the pool calls it, with a file really written. Covered: commits strictly in sequence order while later
 records settle first (``committed``, ``latest_step`` and the futures only move in order), a
 failed or dropped record never blocks later ones, ``wait`` is bounded and names the unfinished
 steps, ``scan`` finds committed checkpoints and cleans only crash debris, and sequence numbers
-continue after the manifests already on storage. Waits are bounded; no sleep is an assertion.
+continue after the manifests already on storage, retention deletes through the ``Deleter``
+and never a folder a pending save references. Waits are bounded; no sleep is an assertion.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from mpckpt._committer import Committer
+from mpckpt._coordinator import SingleProcess
+from mpckpt._deleter import Deleter
 from mpckpt._futures import SaveFuture, SaveStats
 from mpckpt._ledger import Ledger, Pending
 from mpckpt.catalog import scan
 from mpckpt.errors import CommitConflictError, CorruptCheckpointError, UploadError, WaitTimeoutError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum
+from mpckpt.retention import KeepLast, RetentionPolicy
 from mpckpt.storage import MANIFEST_NAME
 from mpckpt.storage.local import LocalBackend
 
@@ -36,37 +42,50 @@ def backend(tmp_path) -> LocalBackend:
 
 @pytest.fixture
 def make_ledger(backend) -> Iterator[Callable[..., Ledger]]:
-    """Ledgers over ``backend``; at teardown unsettled records are dropped and every ledger closed."""
-    ledgers: list[Ledger] = []
+    """Ledgers over ``backend``, each with its committer; at teardown unsettled records are
+    dropped and every committer stopped."""
+    running: list[tuple[Ledger, Committer, Deleter]] = []
 
-    def make(**kwargs: object) -> Ledger:
-        ledger = Ledger(backend, scan(backend, clean=False), **kwargs)  # type: ignore[arg-type]
-        ledgers.append(ledger)
+    def make(*, taken_steps: set[int] | None = None, retention: RetentionPolicy | None = None) -> Ledger:
+        ledger = Ledger(scan(backend, clean=False), staging_name=backend.staging_name, taken_steps=taken_steps)
+        deleter = Deleter(backend)
+        running.append((ledger, Committer(ledger, backend, SingleProcess(backend), deleter, retention=retention),
+                        deleter))
         return ledger
 
     yield make
-    for ledger in ledgers:
+    for ledger, committer, deleter in running:
         for record in ledger.pending():
             ledger.resolve(record, "dropped")
-        ledger.close(timeout_s=BOUND_S)
-        assert not ledger._thread.is_alive(), "the committer thread did not stop"
+        committer.close(timeout_s=BOUND_S)
+        deleter.close(timeout_s=BOUND_S)
+        assert not committer._thread.is_alive(), "the committer thread did not stop"
+        assert not deleter._thread.is_alive(), "the deleter thread did not stop"
 
 
 def open_record(ledger: Ledger, backend: LocalBackend, step: int, *, jobs: int = 1) -> Pending:
     """A save of ``step`` with ``jobs`` file jobs queued, as ``Snapshotter`` submits them."""
-    record = ledger.open(step, "state", SaveFuture(SaveStats(step)), {"loss": 1.0 / (step + 1)})
-    record.staging = backend.stage(record.name)
-    with ledger.lock:
-        record.jobs_left += jobs
-    ledger.all_submitted(record)
+    with ledger.recording(step, "state", SaveStats(step), {"loss": 1.0 / (step + 1)}) as record:
+        ledger.add_jobs(record, jobs)
+        ledger.all_submitted(record)
     return record
+
+
+def _job(record: Pending, rel: str) -> types.SimpleNamespace:
+    """What the pool hands its callback: the job, whose payload names the file."""
+    return types.SimpleNamespace(payload=types.SimpleNamespace(relpath=f"{record.staging}/{rel}"))
 
 
 def write_file(ledger: Ledger, backend: LocalBackend, record: Pending, rel: str = "shard-0.safetensors") -> None:
     """One of ``record``'s jobs writes its file and reports it, like the pool callback."""
     data = f"step {record.step} {rel}".encode()
     backend.write_file(f"{record.staging}/{rel}", [data])
-    ledger.file_done(record, rel, FileEntry(len(data), checksum(data)))
+    ledger.job_done(record, "writing shard")(_job(record, rel), {"size": len(data), "checksum": checksum(data)}, None)
+
+
+def fail_file(ledger: Ledger, record: Pending, cause: BaseException, rel: str = "shard-0.safetensors") -> None:
+    """One of ``record``'s jobs fails, as the pool reports it."""
+    ledger.job_done(record, "writing shard")(_job(record, rel), None, cause)
 
 
 def assert_still_pending(ledger: Ledger, records: list[Pending]) -> None:
@@ -80,26 +99,28 @@ def test_commits_strictly_in_order_when_later_saves_settle_first(backend, make_l
     seen: list[tuple[int, int | None, list[int], list[bool]]] = []
     inside_first, let_go = threading.Event(), threading.Event()
 
-    def on_committed(record: Pending, manifest: Manifest) -> None:
+    def on_committed(step: int) -> None:
         # what the world looks like at each commit (asserted on the test thread below)
-        seen.append((record.step, ledger.latest_step(), sorted(ledger.committed), [f.done() for f in futures]))
-        if record.step == 10:
+        seen.append((step, ledger.latest_step(), sorted(ledger.committed()), [f.done() for f in futures]))
+        if step == 10:
             inside_first.set()
             let_go.wait(BOUND_S)  # hold the committer right after committing step 10
 
-    ledger = make_ledger(on_committed=on_committed)
+    ledger = make_ledger()
     r10, r20, r30 = (open_record(ledger, backend, step) for step in (10, 20, 30))
+    for record in (r10, r20, r30):
+        ledger.after_commit(record, lambda step=record.step: on_committed(step))
     futures += [r10.future, r20.future, r30.future]
     write_file(ledger, backend, r30)
     write_file(ledger, backend, r20)
     assert r30.settled and r20.settled and not r10.settled
     assert_still_pending(ledger, [r20, r30])  # settled, but behind step 10
-    assert ledger.latest_step() is None and ledger.committed == {}
+    assert ledger.latest_step() is None and ledger.committed() == {}
 
     write_file(ledger, backend, r10)
     assert inside_first.wait(BOUND_S)
     # step 10 is committed; 20 and 30 are settled but must not have moved past it
-    assert ledger.latest_step() == 10 and sorted(ledger.committed) == [10]
+    assert ledger.latest_step() == 10 and sorted(ledger.committed()) == [10]
     assert not r20.future.done() and not r30.future.done()
     let_go.set()
     ledger.wait(timeout_s=BOUND_S)
@@ -120,8 +141,7 @@ def test_failed_save_waits_for_its_running_jobs_then_lets_later_ones_commit(back
     r2 = open_record(ledger, backend, 2)
     write_file(ledger, backend, r2)
     cause = OSError(5, "disk on fire")
-    ledger.resolve(r1, "failed", cause)  # one file of step 1 failed, as the pool reports it
-    ledger.file_failed(r1)
+    fail_file(ledger, r1, cause)  # one file of step 1 failed, as the pool reports it
     # its other job still runs: aborting the staging folder now would race with it
     assert_still_pending(ledger, [r1, r2])
 
@@ -140,10 +160,10 @@ def test_upload_error_is_passed_on_and_a_failed_commit_fails_only_its_save(backe
     ledger = make_ledger()
     r1, r2, r3 = (open_record(ledger, backend, step) for step in (1, 2, 3))
     shard_error = UploadError("step 1: writing shard-0.safetensors failed", step=1, shard="shard-0.safetensors")
-    ledger.resolve(r1, "failed", shard_error)
-    ledger.file_failed(r1)
+    ledger.resolve(r1, "failed", shard_error)  # the first error of a record is the one it fails with
+    fail_file(ledger, r1, OSError(5, "a later one"))
     # someone else commits step 2 first: our commit of it must fail, not overwrite it
-    theirs = backend.stage(checkpoint_name(2))
+    theirs = backend.staging_name(checkpoint_name(2))
     backend.commit(theirs, checkpoint_name(2), Manifest(step=2, seq=99, kind="state", files={}).to_bytes())
     write_file(ledger, backend, r2)
     write_file(ledger, backend, r3)
@@ -154,7 +174,7 @@ def test_upload_error_is_passed_on_and_a_failed_commit_fails_only_its_save(backe
     assert isinstance(error, UploadError) and error.step == 2 and "step 2" in str(error)
     assert isinstance(error.__cause__, CommitConflictError)
     assert r3.future.result(0).name == checkpoint_name(3)
-    assert sorted(ledger.committed) == [3]
+    assert sorted(ledger.committed()) == [3]
     assert scan(backend, clean=False)[2].seq == 99  # theirs, untouched
 
 
@@ -163,8 +183,8 @@ def test_dropped_save_resolves_with_none_and_does_not_block(backend, make_ledger
     r1 = open_record(ledger, backend, 1)  # its job never ran: coalesced away
     r2 = open_record(ledger, backend, 2)
     write_file(ledger, backend, r2)
-    r1.future.stats.status = "coalesced"  # the caller sets it, the ledger keeps it
-    ledger.resolve(r1, "dropped")
+    assert ledger.drop(r1, "coalesced") == []  # it held no slab
+
     backend.abort(r1.staging)
     ledger.wait(timeout_s=BOUND_S)
     assert r1.future.result(0).name is None and r1.future.stats.status == "coalesced"
@@ -186,11 +206,11 @@ def test_wait_is_bounded_and_names_the_unfinished_steps(backend, make_ledger):
         ledger.wait(timeout_s=HELD_S)
     ledger.resolve(r8, "dropped")
     ledger.wait(timeout_s=BOUND_S)
-    assert sorted(ledger.committed) == [7, 9] and ledger.pending() == []
+    assert sorted(ledger.committed()) == [7, 9] and ledger.pending() == []
 
 
 def _commit_directly(backend: LocalBackend, step: int, seq: int, files: dict[str, FileEntry] | None = None) -> None:
-    staging = backend.stage(checkpoint_name(step))
+    staging = backend.staging_name(checkpoint_name(step))
     backend.commit(staging, checkpoint_name(step), Manifest(step=step, seq=seq, kind="state", files=files or {})
                    .to_bytes())
 
@@ -244,11 +264,35 @@ def test_sequence_numbers_continue_after_the_manifests_on_storage(backend, make_
 def test_a_hook_that_fails_after_a_commit_never_stops_later_commits(backend, make_ledger):
     ledger = make_ledger()
     first = open_record(ledger, backend, 1)
-    first.after_commit.append(lambda: {}["a bug in a hook"])
+    ledger.after_commit(first, lambda: {}["a bug in a hook"])
     write_file(ledger, backend, first)
     second = open_record(ledger, backend, 2)
     write_file(ledger, backend, second)
     ledger.wait([first, second], timeout_s=BOUND_S)
     assert first.future.result(0).name == "step_0000000001"  # the commit stands
     assert second.future.result(0).name == "step_0000000002"
-    assert sorted(ledger.committed) == [1, 2]
+    assert sorted(ledger.committed()) == [1, 2]
+
+
+def test_retention_deletes_in_the_background_but_never_what_a_pending_save_references(backend, make_ledger):
+    ledger = make_ledger(retention=KeepLast(1))
+    first = open_record(ledger, backend, 1)
+    write_file(ledger, backend, first, "frozen.safetensors")
+    ledger.wait([first], timeout_s=BOUND_S)
+    second = open_record(ledger, backend, 2)
+    third = open_record(ledger, backend, 3)  # still pending, references step 1's file
+    ledger.add_files(third, {"frozen.safetensors": FileEntry(1, "x", ref=checkpoint_name(1))})
+    write_file(ledger, backend, second)
+    ledger.wait([second], timeout_s=BOUND_S)
+    # KeepLast(1) lets step 1 go once step 2 commits, but the pending step 3 needs its file
+    assert sorted(ledger.committed()) == [1, 2]
+    write_file(ledger, backend, third)
+    ledger.wait(timeout_s=BOUND_S)
+    assert [r.future.result(0).name for r in (first, second, third)] == [checkpoint_name(s) for s in (1, 2, 3)]
+    assert sorted(ledger.committed()) == [1, 3]  # 2 is forgotten at once; 1 stays while 3 references it
+    pause = threading.Event()
+    for _ in range(int(BOUND_S / 0.05)):  # the deleter removes step 2's folder in the background
+        if checkpoint_name(2) not in os.listdir(backend.root):
+            break
+        pause.wait(0.05)
+    assert sorted(os.listdir(backend.root)) == [checkpoint_name(1), checkpoint_name(3)]

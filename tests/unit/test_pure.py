@@ -16,7 +16,7 @@ from mpckpt.config import BudgetPolicy, Config, parse_bytes
 from mpckpt.errors import ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, step_of
 from mpckpt.format.safetensors import HeaderEntry, build_header, parse_header
-from mpckpt.retention import keep_any, keep_best_n, keep_every_n_steps, keep_last_n, keep_newer_than
+from mpckpt.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -114,14 +114,20 @@ def _records(steps, losses=None):
 
 def test_retention_policies_are_pure_and_combine():
     recs = _records([1, 2, 3, 4, 5], {1: 0.1, 2: 0.5, 3: 0.4, 4: 0.9, 5: 0.8})
-    assert keep_last_n(recs, 2) == [False, False, False, True, True]
-    assert keep_best_n(recs, 1, "loss") == [True, False, False, False, True]  # the newest is always kept
-    assert keep_every_n_steps(recs, 2) == [False, True, False, True, True]
-    assert keep_newer_than(recs, 1.5, now=105.0) == [False, False, False, True, True]
-    assert keep_any(recs, lambda r: keep_last_n(r, 1), lambda r: keep_best_n(r, 1, "loss")) == \
-        [True, False, False, False, True]
-    with pytest.raises(ConfigError):
-        keep_last_n(recs, 0)
+    assert KeepLast(2).keep(recs) == [False, False, False, True, True]
+    assert KeepBest(1, "loss").keep(recs) == [True, False, False, False, True]  # the newest is always kept
+    assert KeepEvery(2).keep(recs) == [False, True, False, True, True]
+    assert KeepNewerThan(1.5, clock=lambda: 105.0).keep(recs) == [False, False, False, True, True]
+    either = KeepLast(1) | KeepBest(1, "loss")
+    assert either.keep(recs) == [True, False, False, False, True]
+    assert KeepAny(KeepLast(1), KeepBest(1, "loss")).keep(recs) == either.keep(recs)
+    assert KeepBest(2, "loss", "max").keep(recs) == [False, False, False, True, True]
+    assert repr(either | KeepEvery(2)) == "KeepLast(1) | KeepBest(1, 'loss', 'min') | KeepEvery(2)"
+    assert KeepLast(3).keep([]) == []
+    for bad in (lambda: KeepLast(0), lambda: KeepEvery(-1), lambda: KeepBest(1, "loss", "low"),
+                lambda: KeepNewerThan(0), lambda: KeepLast(True)):
+        with pytest.raises(ConfigError):
+            bad()
 
 
 def test_flatten_keeps_int_keys_and_tuples_json_safe():

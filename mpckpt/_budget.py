@@ -1,0 +1,74 @@
+"""Taking shared memory for a save under the memory budget and its policy.
+
+A save needs one slab per wave of its layout. The first is taken before anything is copied:
+if the budget has room, at once (and, for a one-wave state, a spare slab is made in the
+background for the next save, while this one uploads). If not, the policy decides:
+
+* ``block``: wait for uploads to free memory, bounded by ``timeout_s``, raising unseen
+  background failures while waiting (a failed upload frees nothing the save waits for);
+* ``skip``: take nothing; the caller records the save as skipped;
+* ``coalesce``: drop the newest pending checkpoint none of whose uploads has started (its
+  slab comes back), then take; if there is none, wait as ``block`` does.
+
+Later waves of a state larger than the budget always wait for the previous wave's uploads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpckpt._arena import Arena, Slab
+from mpckpt._layout import Layout
+from mpckpt._ledger import Ledger
+from mpckpt._pool import UploaderPool
+from mpckpt.config import BudgetPolicy, Config
+from mpckpt.storage import Backend
+
+
+class Budget:
+    """Slabs for saves of one checkpointer, under its memory budget and policy."""
+
+    def __init__(self, config: Config, arena: Arena, ledger: Ledger, pool: UploaderPool, backend: Backend, *,
+                 on_wait: Callable[[], None]) -> None:
+        self.config = config
+        self.arena = arena
+        self.ledger = ledger
+        self.pool = pool
+        self.backend = backend
+        self._on_wait = on_wait
+
+    def take_first(self, layout: Layout) -> Slab | None:
+        """The slab of the first wave, or None when the policy is ``skip`` and the budget is full."""
+        need = layout.waves[0].nbytes
+        slab = self.arena.try_acquire(need)
+        if slab is not None:
+            if len(layout.waves) == 1:
+                self.arena.ensure_spare(need)  # for the next save, while this one uploads
+            return slab
+        policy = self.config.policy
+        if policy is BudgetPolicy.SKIP:
+            return None
+        if policy is BudgetPolicy.COALESCE:
+            self._coalesce_one()
+            slab = self.arena.try_acquire(need)
+            if slab is not None:
+                return slab
+        return self.take(need)
+
+    def take(self, nbytes: int) -> Slab:
+        """A slab of ``nbytes``, waiting for uploads to free memory (bounded)."""
+        return self.arena.acquire(nbytes, timeout_s=self.config.timeout_s, on_wait=self._on_wait)
+
+    def release(self, slab: Slab) -> None:
+        self.arena.release(slab)
+
+    def _coalesce_one(self) -> None:
+        """Drop the newest pending checkpoint none of whose uploads has started."""
+        for record in reversed(self.ledger.pending()):
+            if record.kind != "state" or record.outcome is not None or not record.submitted_all:
+                continue
+            if self.pool.cancel(record.seq):
+                for slab in self.ledger.drop(record, "coalesced"):
+                    self.arena.release(slab)
+                self.backend.abort(record.staging)
+                return

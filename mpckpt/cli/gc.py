@@ -1,0 +1,52 @@
+"""``mpckpt gc [ROOT ...]``: remove what dead trainers left behind.
+
+Shared memory of dead trainers first (segments without an owner file are left alone and
+named: only root in the host's PID namespace can tell whether they are in use), then, under
+each ROOT, staging and manifest-less folders, by the same ``catalog.recover`` that opening a
+Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
+INVARIANT: a folder with a manifest is never removed, damaged or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mpckpt import _shm
+from mpckpt.catalog import recover
+from mpckpt.cli._common import backend_for, complain, say
+from mpckpt.errors import MpckptError
+
+
+def run(args: argparse.Namespace) -> int:
+    undecided: list[str] = []
+    for name in _shm.reap_orphans(undecided=undecided):
+        say(f"removed orphaned shared memory {name}")
+    for name in undecided:
+        complain(f"left shared memory {name} alone: it has no owner file (an mpckpt before owner files made it), "
+                 "and only root in the host's PID namespace can see whether a process still uses it; run "
+                 "`mpckpt gc` there, or remove it by hand once no trainer of an older mpckpt runs")
+    status = 0
+    for root in args.roots:
+        try:
+            status |= _gc_root(root, args.storage_options)
+        except MpckptError as e:
+            complain(f"{root}: {e}")
+            status = 1
+    return status
+
+
+def _gc_root(root: str, options: str | None) -> int:
+    backend = backend_for(root, options)
+    lock = backend.acquire_writer_lock(f"mpckpt gc pid {os.getpid()}")
+    try:
+        found = recover(backend)  # what opening a Checkpointer there would do
+    finally:
+        lock.release()
+    for name in found.removed_staging:
+        say(f"{root}: removed staging folder {name}")
+    for name in found.removed_incomplete:
+        say(f"{root}: removed incomplete checkpoint {name}")
+    for step in sorted(found.damaged):
+        complain(f"{root}: kept damaged step {step} (never deleted: it may be recoverable): {found.damaged[step]}")
+    return 0
