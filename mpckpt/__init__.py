@@ -2,7 +2,7 @@
 
 Public names only; everything else lives in modules with a leading underscore. Importing
 the package is cheap: the names are loaded on first use, so uploader processes that import
-``mpckpt._worker`` never load torch.
+``mpckpt._upload.worker`` never load torch.
 """
 
 from __future__ import annotations

@@ -26,22 +26,22 @@ import warnings
 import weakref
 from typing import Any
 
-from mpckpt import _shm
-from mpckpt._arena import Arena
-from mpckpt._budget import Budget
-from mpckpt._committer import Committer
-from mpckpt._coordinator import SingleProcess
-from mpckpt._deleter import Deleter
-from mpckpt._directory import DirectoryUploads
+from mpckpt._commit.committer import Committer
+from mpckpt._commit.coordinator import SingleProcess
+from mpckpt._commit.deleter import Deleter
+from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._commit.sink import ErrorSink
 from mpckpt._futures import CheckpointerStats
-from mpckpt._ledger import Ledger, Pending
-from mpckpt._pool import UploaderPool
-from mpckpt._saving import Snapshotter
-from mpckpt._sink import ErrorSink
+from mpckpt._stage import shm as _shm
+from mpckpt._stage.arena import Arena
+from mpckpt._stage.budget import Budget
+from mpckpt._stage.saving import Snapshotter
+from mpckpt._upload.directory import DirectoryUploads
+from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import recover
 from mpckpt.config import Config
 from mpckpt.errors import LockedError
-from mpckpt.retention import KeepLast
+from mpckpt.policies.retention import KeepLast
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
 

@@ -113,7 +113,7 @@ class Catalog:
 
     def best(self, n: int, metric: str, mode: str) -> list[int]:
         """The ``n`` steps with the best ``metric`` (``mode`` 'min' or 'max'; NaN never wins)."""
-        from mpckpt.retention import rank_by_metric
+        from mpckpt.policies.retention import rank_by_metric
 
         records = sorted(self.committed.items())
         return [records[i][0] for i in rank_by_metric(records, metric, mode)[:n]]

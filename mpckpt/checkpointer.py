@@ -3,11 +3,11 @@
 It validates what the caller passes (steps, metrics, modes), holds the public API, and
 delegates everything else to the ``Runtime`` it opens, which never refers back to it:
 
-    save   -> _saving.Snapshotter (layout, _budget, _reuse, copy) -> _pool (uploaders)
-    report -> _directory.DirectoryUploads                         -> _pool
-           -> _ledger (records, order) -> _committer (_coordinator, retention, _deleter)
+    save    -> _stage.saving.Snapshotter (layout, budget, reuse, copy) -> _upload.pool
+    report  -> _upload.directory.DirectoryUploads                      -> _upload.pool
+            -> _commit.ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
     queries -> catalog.Catalog over the ledger's committed checkpoints
-    errors  -> _sink.ErrorSink
+    errors  -> _commit.sink.ErrorSink
 
 Opening it checks the root, takes the single-writer lock, removes what a crashed run left
 (``catalog.recover``), and starts and warms the uploader processes. ``save`` returns once the
@@ -30,10 +30,10 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from mpckpt._copier import estimate_state_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._runtime import Runtime, caller_location, finalizer_for
-from mpckpt._snapshot import flatten
+from mpckpt._stage.copier import estimate_state_bytes
+from mpckpt._stage.snapshot import flatten
 from mpckpt.catalog import Catalog, load  # noqa: F401 -- load: mpckpt.load, kept importable here
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import BudgetPolicy, Config, UploadMode

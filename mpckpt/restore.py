@@ -44,7 +44,7 @@ import torch
 import xxhash
 
 from mpckpt import _dtypes
-from mpckpt._snapshot import build_tensors, unflatten
+from mpckpt._stage.snapshot import build_tensors, unflatten
 from mpckpt.config import progress_enabled
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest

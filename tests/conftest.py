@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mpckpt import _shm
+from mpckpt._stage import shm as _shm
 from tests.servers import azurite_server, moto_server  # noqa: F401
 
 

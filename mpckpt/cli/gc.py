@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mpckpt import _shm
+from mpckpt._stage import shm as _shm
 from mpckpt.catalog import recover
 from mpckpt.cli._common import backend_for, complain, say
 from mpckpt.errors import MpckptError

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt import _shm, _testing
+from mpckpt import _testing
+from mpckpt._stage import shm as _shm
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
 NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]{32})-([0-9a-f]+)$")

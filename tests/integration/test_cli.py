@@ -7,7 +7,7 @@ import os
 import torch
 
 import mpckpt
-from mpckpt import _shm
+from mpckpt._stage import shm as _shm
 from mpckpt.cli import main
 
 

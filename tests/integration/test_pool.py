@@ -26,9 +26,9 @@ import psutil
 import pytest
 import xxhash
 
-from mpckpt._pool import Job, UploaderPool
-from mpckpt._shm import Segment
-from mpckpt._worker import WriteJob
+from mpckpt._stage.shm import Segment
+from mpckpt._upload.pool import Job, UploaderPool
+from mpckpt._upload.worker import WriteJob
 from mpckpt.errors import ConfigError, UploadError
 from mpckpt.storage import BackendSpec, spec_for_url
 from tests.backends import ctl_url

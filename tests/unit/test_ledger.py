@@ -19,15 +19,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from mpckpt._committer import Committer
-from mpckpt._coordinator import SingleProcess
-from mpckpt._deleter import Deleter
+from mpckpt._commit.committer import Committer
+from mpckpt._commit.coordinator import SingleProcess
+from mpckpt._commit.deleter import Deleter
+from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._futures import SaveFuture, SaveStats
-from mpckpt._ledger import Ledger, Pending
 from mpckpt.catalog import scan
 from mpckpt.errors import CommitConflictError, CorruptCheckpointError, UploadError, WaitTimeoutError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum
-from mpckpt.retention import KeepLast, RetentionPolicy
+from mpckpt.policies.retention import KeepLast, RetentionPolicy
 from mpckpt.storage import MANIFEST_NAME
 from mpckpt.storage.local import LocalBackend
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt import _layout
-from mpckpt._snapshot import flatten
+from mpckpt._stage import layout as _layout
+from mpckpt._stage.snapshot import flatten
 from mpckpt.config import BudgetPolicy, Config, parse_bytes
 from mpckpt.errors import ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, step_of
 from mpckpt.format.safetensors import HeaderEntry, build_header, parse_header
-from mpckpt.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan
+from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan
 
 
 @pytest.mark.parametrize("text,expected", [

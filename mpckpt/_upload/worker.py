@@ -34,7 +34,7 @@ from typing import Any
 
 import xxhash
 
-from mpckpt._shm import Segment
+from mpckpt._stage.shm import Segment
 from mpckpt.errors import add_note
 from mpckpt.storage import BackendSpec, open_backend
 

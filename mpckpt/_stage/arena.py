@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mpckpt._shm import Segment
+from mpckpt._stage.shm import Segment
 from mpckpt.errors import BudgetError, WaitTimeoutError
 
 _ROUND = 2 << 20  # slabs are sized in 2 MiB steps so similar requests reuse one

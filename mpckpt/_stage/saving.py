@@ -2,10 +2,10 @@
 
 ``Snapshotter.save`` takes a validated call of ``Checkpointer.save`` (step checked, metrics
 converted) and does, on the training thread: flatten the state (bad input fails here, before
-anything is written), find its layout (``_layout``), take the first slab under the budget
-policy (``_budget``), open the checkpoint's record in the ledger, reference unchanged frozen
-shards (``_reuse``), copy, and queue one write job per shard. The copy is either eager (every
-wave now) or overlapped (``_overlap``: parameters and optimizer state are copied in the
+anything is written), find its layout (``layout``), take the first slab under the budget
+policy (``budget``), open the checkpoint's record in the ledger, reference unchanged frozen
+shards (``reuse``), copy, and queue one write job per shard. The copy is either eager (every
+wave now) or overlapped (``overlap``: parameters and optimizer state are copied in the
 background until the next ``optimizer.step()``). Each wave's slab goes back to the budget when
 the last shard written from it is durable.
 
@@ -20,17 +20,17 @@ import time
 import warnings
 from typing import Any
 
-from mpckpt._arena import Slab
-from mpckpt._budget import Budget
-from mpckpt._copier import copy_wave
+from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
-from mpckpt._layout import Layout, LayoutCache
-from mpckpt._ledger import Ledger, Pending
-from mpckpt._overlap import BackgroundCopier, step_guarded_leaves
-from mpckpt._pool import Job, UploaderPool
-from mpckpt._reuse import FrozenShards, Reuse
-from mpckpt._snapshot import FlatState, flatten
-from mpckpt._worker import WriteJob
+from mpckpt._stage.arena import Slab
+from mpckpt._stage.budget import Budget
+from mpckpt._stage.copier import copy_wave
+from mpckpt._stage.layout import Layout, LayoutCache
+from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
+from mpckpt._stage.reuse import FrozenShards, Reuse
+from mpckpt._stage.snapshot import FlatState, flatten
+from mpckpt._upload.pool import Job, UploaderPool
+from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.format.names import SKELETON_NAME
 from mpckpt.restore import SKELETON_VERSION
@@ -81,7 +81,7 @@ class Snapshotter:
         return record.future
 
     def barrier(self) -> None:
-        """Wait until an overlapped snapshot has finished copying (see ``_overlap``)."""
+        """Wait until an overlapped snapshot has finished copying (see ``overlap``)."""
         if self._copier is not None:
             self._copier.barrier()
 

@@ -24,7 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mpckpt._futures import SaveStats
-from mpckpt._snapshot import FlatState
+from mpckpt._stage.snapshot import FlatState
 from mpckpt.errors import WaitTimeoutError
 
 

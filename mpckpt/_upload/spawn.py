@@ -3,7 +3,7 @@
 The ``forkserver`` and ``spawn`` start methods normally re-import the parent's ``__main__``
 in every child (and ``forkserver`` also in the server itself) so that functions defined in
 the main script can be unpickled there. Uploaders need nothing from the main script: their
-entry point is ``mpckpt._worker.worker_main`` and everything they receive is a plain
+entry point is ``mpckpt._upload.worker.worker_main`` and everything they receive is a plain
 dataclass. Importing the script anyway is what broke three kinds of users:
 
 * a script without ``if __name__ == "__main__":`` ran its whole training loop again inside
@@ -13,7 +13,7 @@ dataclass. Importing the script anyway is what broke three kinds of users:
 * every uploader paid for the imports of the user's script (torch, the model code).
 
 So for processes named ``mpckpt-uploader`` the preparation data sent to the child leaves the
-main module out, and the fork server preloads ``mpckpt._worker`` instead of ``__main__``.
+main module out, and the fork server preloads ``mpckpt._upload.worker`` instead of ``__main__``.
 Other processes started with ``multiprocess`` in the same program are left as they are.
 
 What the uploaders do get from the training process is its environment *at the time the
@@ -61,5 +61,5 @@ def uploader_context(start_method: str) -> Any:
     ctx = multiprocess.get_context(start_method)
     if start_method == "forkserver":
         # Only takes effect before the server starts; the server then never runs the main script.
-        ctx.set_forkserver_preload(["mpckpt._worker"])
+        ctx.set_forkserver_preload(["mpckpt._upload.worker"])
     return ctx

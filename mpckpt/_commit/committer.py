@@ -24,12 +24,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mpckpt._coordinator import Coordinator
-from mpckpt._deleter import Deleter
-from mpckpt._ledger import Ledger, Pending
+from mpckpt._commit.coordinator import Coordinator
+from mpckpt._commit.deleter import Deleter
+from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt.errors import MpckptError, UploadError, upload_error
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum, format_version_for
-from mpckpt.retention import RetentionPolicy
+from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.storage import Backend
 
 log = logging.getLogger("mpckpt")

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mpckpt._arena import Arena, Slab
-from mpckpt._layout import Layout
-from mpckpt._ledger import Ledger
-from mpckpt._pool import UploaderPool
+from mpckpt._commit.ledger import Ledger
+from mpckpt._stage.arena import Arena, Slab
+from mpckpt._stage.layout import Layout
+from mpckpt._upload.pool import UploaderPool
 from mpckpt.config import BudgetPolicy, Config
 from mpckpt.storage import Backend
 

@@ -9,7 +9,7 @@ of memory, segfault) is noticed the moment it happens, not after a timeout. The 
 is replaced and its job retried on the replacement, up to ``max_attempts`` times; after that
 the job fails with an ``UploadError`` naming the file and the exit code.
 
-Workers are started (``_spawn``: without the user's main module, with the trainer's
+Workers are started (``spawn``: without the user's main module, with the trainer's
 environment) and pinged when the pool starts: each proves it can write to the root, so the
 first save finds them warm and storage the *uploaders* cannot write to fails at open, not at
 the first upload. They run niced below training.
@@ -31,8 +31,8 @@ from typing import Any
 
 from multiprocess.connection import wait as mp_wait
 
-from mpckpt._spawn import PROCESS_NAME, uploader_context
-from mpckpt._worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
+from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
+from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec
 

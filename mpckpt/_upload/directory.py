@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import shutil
 
+from mpckpt._commit.ledger import Ledger
 from mpckpt._futures import SaveFuture, SaveStats
-from mpckpt._ledger import Ledger
-from mpckpt._pool import Job, UploaderPool
-from mpckpt._worker import UploadJob, file_digest
+from mpckpt._upload.pool import Job, UploaderPool
+from mpckpt._upload.worker import UploadJob, file_digest
 from mpckpt.config import Config
 from mpckpt.format.manifest import FileEntry
 from mpckpt.format.names import USER_FILES

@@ -1,7 +1,7 @@
 """Frozen shards: files of unchanged frozen tensors are referenced, not written again.
 
 Parameters with ``requires_grad=False`` (a frozen backbone, embeddings) get shard files of
-their own (``_layout``). When a later save finds every tensor of such a shard unchanged (same
+their own (``layout``). When a later save finds every tensor of such a shard unchanged (same
 storage address, same in-place version counter), its manifest references the file in the
 checkpoint that wrote it (``FileEntry.ref``) instead of writing it again.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpckpt._layout import Layout
-from mpckpt._ledger import Ledger, Pending
-from mpckpt._snapshot import FlatState
+from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._stage.layout import Layout
+from mpckpt._stage.snapshot import FlatState
 from mpckpt.format.manifest import FileEntry
 
 Versions = tuple[tuple[int, int], ...]

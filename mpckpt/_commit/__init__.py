@@ -1,0 +1,6 @@
+"""From durable files to committed checkpoints, strictly in save order.
+
+``ledger`` owns every checkpoint record and every change to it, ``committer`` commits them in
+order through the ``coordinator`` seam and applies retention, ``deleter`` deletes what
+retention let go of, and ``sink`` is the one place background failures are raised from.
+"""
