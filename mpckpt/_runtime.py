@@ -118,7 +118,7 @@ class Runtime:
             self.errors.add_source(self.pool.take_internal_error)
             self.pool.start()
             budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen)
-            self.saver = Snapshotter(config, self.ledger, budget, self.pool, self._stats)
+            self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             retention = KeepLast(config.keep_last) if config.keep_last is not None else None

@@ -88,6 +88,7 @@ class Committer:
 
     def _commit(self, record: Pending) -> Manifest:
         files = dict(record.files)
+        self.backend.prepare_staging(record.staging)  # made already unless no job wrote into it
         for rel, content in record.small_files.items():
             data = content() if callable(content) else content
             self.backend.write_file(f"{record.staging}/{rel}", [data])

@@ -9,8 +9,9 @@ wave now) or overlapped (``overlap``: parameters and optimizer state are copied 
 background until the next ``optimizer.step()``). Each wave's slab goes back to the budget when
 the last shard written from it is durable.
 
-Nothing here touches storage: the jobs carry the checkpoint's staging path, which the
-uploaders create as they write, and the committer writes the skeleton and the manifest.
+Nothing here touches storage: the jobs carry the checkpoint's staging path, which the pool's
+dispatcher thread makes before the first of them is sent (``Backend.prepare_staging``), and
+the committer writes the skeleton and the manifest.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.format.names import SKELETON_NAME
 from mpckpt.restore import SKELETON_VERSION
+from mpckpt.storage import Backend
 
 
 class Snapshotter:
     """Turns states into slabs and write jobs for one checkpointer."""
 
-    def __init__(self, config: Config, ledger: Ledger, budget: Budget, pool: UploaderPool,
+    def __init__(self, config: Config, ledger: Ledger, budget: Budget, pool: UploaderPool, backend: Backend,
                  stats: CheckpointerStats) -> None:
         self.config = config
+        self.backend = backend
         self.ledger = ledger
         self.budget = budget
         self.pool = pool
@@ -147,7 +150,7 @@ class Snapshotter:
             Job("write", WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
                                   shard.offset, shard.nbytes, shard.header), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
-            for shard in shards))
+            for shard in shards), before=lambda: self.backend.prepare_staging(record.staging))
 
 
 def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:

@@ -42,11 +42,13 @@ class DirectoryUploads:
             if upload:
                 self.ledger.add_jobs(record, len(files))
                 done = self.ledger.job_done(record, "uploading")
+                jobs = []
                 for rel in files:
                     payload = UploadJob(f"{record.staging}/{USER_FILES}{rel}", os.path.join(folder, rel))
                     size = os.path.getsize(payload.local_path)
-                    self.pool.submit(Job("upload", payload, done, tag=record.seq, step=record.step,
-                                         timeout_s=self.config.job_deadline_s(size)))
+                    jobs.append(Job("upload", payload, done, tag=record.seq, step=record.step,
+                                    timeout_s=self.config.job_deadline_s(size)))
+                self.pool.submit(*jobs, before=lambda: self.backend.prepare_staging(record.staging))
                 if delete_local:
                     self.ledger.after_commit(record, lambda: shutil.rmtree(folder))
             else:

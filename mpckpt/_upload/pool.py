@@ -114,6 +114,9 @@ class UploaderPool:
         self._ctx = uploader_context(start_method)
         self._slots: list[_Slot] = []
         self._pending: collections.deque[Job] = collections.deque()
+        # jobs waiting for their ``before`` (run on the dispatcher thread), and those whose runs now
+        self._preparing: collections.deque[tuple[Callable[[], None], list[Job]]] = collections.deque()
+        self._preparing_now: list[Job] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._wake_r, self._wake_w = os.pipe()
@@ -216,7 +219,9 @@ class UploaderPool:
     def _fail_left_over(self) -> None:
         """The pool closes before these jobs finished: fail them, so their checkpoints settle."""
         with self._lock:
-            jobs = [*self._pending, *(s.job for s in self._slots if s.job is not None)]
+            jobs = [*(j for _, waiting in self._preparing for j in waiting), *self._pending,
+                    *(s.job for s in self._slots if s.job is not None)]
+            self._preparing.clear()
             self._pending.clear()
             for slot in self._slots:
                 slot.job = None
@@ -226,12 +231,20 @@ class UploaderPool:
                 shard=job.payload.relpath))
 
     # -- jobs -----------------------------------------------------------------------------
-    def submit(self, *jobs: Job) -> None:
-        """Queue jobs (one wake-up of the dispatcher for all of them)."""
+    def submit(self, *jobs: Job, before: Callable[[], None] | None = None) -> None:
+        """Queue jobs (one wake-up of the dispatcher for all of them).
+
+        ``before`` runs on the dispatcher thread (in this process, off the caller's thread)
+        before any of these jobs is sent: it prepares what they write into (a staging folder).
+        If it raises, every one of them fails with that error, unsent.
+        """
         for job in jobs:
             job.id = next(self._ids)
         with self._lock:
-            self._pending.extend(jobs)
+            if before is None:
+                self._pending.extend(jobs)
+            else:
+                self._preparing.append((before, list(jobs)))
         self._wake()
 
     def cancel(self, tag: Any) -> bool:
@@ -240,9 +253,12 @@ class UploaderPool:
         With a worker idle the job is about to start: it is not waiting in a queue.
         """
         with self._lock:
-            if any(s.job is None or s.job.tag == tag for s in self._slots):
+            if any(s.job is None or s.job.tag == tag for s in self._slots) or \
+                    any(j.tag == tag for j in self._preparing_now):
                 return False
             self._pending = collections.deque(j for j in self._pending if j.tag != tag)
+            self._preparing = collections.deque((before, kept) for before, jobs in self._preparing
+                                                if (kept := [j for j in jobs if j.tag != tag]))
             return True
 
     def started(self, tag: Any) -> bool:
@@ -251,7 +267,8 @@ class UploaderPool:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._pending) or any(s.job is not None for s in self._slots)
+            return bool(self._pending or self._preparing or self._preparing_now) or \
+                any(s.job is not None for s in self._slots)
 
     def take_internal_error(self) -> BaseException | None:
         with self._lock:
@@ -270,9 +287,10 @@ class UploaderPool:
                 self._fail_left_over()
                 return
             with self._lock:
-                idle = not self._pending and all(s.job is None for s in self._slots)
+                idle = not self._pending and not self._preparing and all(s.job is None for s in self._slots)
             if self._stopping and idle:
                 return
+            self._prepare()
             self._dispatch()
             waitables: list[Any] = [self._wake_r]
             for slot in self._slots:
@@ -303,6 +321,26 @@ class UploaderPool:
                         and now - slot.started > job.timeout_s:
                     slot.overdue = True
                     slot.process.kill()
+
+    def _prepare(self) -> None:
+        """Run the ``before`` of queued jobs, then let them be dispatched (or fail them)."""
+        while True:
+            with self._lock:
+                if not self._preparing:
+                    return
+                before, jobs = self._preparing.popleft()
+                self._preparing_now = jobs
+            try:
+                before()
+            except BaseException as e:  # e.g. the staging folder cannot be made: these jobs fail
+                with self._lock:
+                    self._preparing_now = []
+                for job in jobs:
+                    self._callback(job, None, e)
+                continue
+            with self._lock:
+                self._pending.extend(jobs)
+                self._preparing_now = []
 
     def _dispatch(self) -> None:
         with self._lock:

@@ -71,10 +71,20 @@ class Backend(Protocol):
         """The folder (relative path) where checkpoint ``name``'s files go until ``commit``.
 
         Pure: no I/O, so ``save()`` may call it on the training thread. ``ConfigError`` if
-        ``name`` is not a valid checkpoint name. Nothing is created (the first write under the
-        folder creates it) and nothing is checked: a committed ``name`` is refused by
-        ``commit``. Local disk: a fresh ``.tmp.<name>.<pid>.<token>`` on every call; object
-        stores: ``name`` itself.
+        ``name`` is not a valid checkpoint name. Nothing is created (``prepare_staging`` does)
+        and nothing is checked: a committed ``name`` is refused by ``commit``. Local disk: a
+        fresh ``.tmp.<name>.<pid>.<token>`` on every call; object stores: ``name`` itself.
+        """
+        ...
+
+    def prepare_staging(self, staging: str) -> None:
+        """Make the staging folder ``staging`` (idempotent), never through a link.
+
+        Called in the training process, off the training thread (the pool's dispatcher before a
+        checkpoint's first job is sent; the committer), before any file is written under it.
+        ``write_file`` and ``upload_file`` never create a staging folder, so an uploader that
+        outlives its trainer cannot bring back one that ``abort`` or a recovery scan removed.
+        Object stores have no folders: nothing to do.
         """
         ...
 
@@ -83,7 +93,8 @@ class Backend(Protocol):
 
         ``parts`` are usually memoryview slices of shared memory: never copy them whole.
         Overwrites a partial file left by an earlier attempt at the same path. Missing folders
-        above it (the staging folder too) are created, never through a link.
+        above it are created, never through a link, except the staging folder itself (see
+        ``prepare_staging``): writing under one that is not there is a ``StorageError``.
         """
         ...
 

@@ -4,10 +4,12 @@ Commit protocol (POSIX): files are written into ``.tmp.<name>.<pid>.<token>/`` b
 destination and fsynced; ``commit`` writes ``manifest.json`` there, fsyncs it and the folder,
 renames the folder to ``<name>`` (which fails rather than replace a non-empty folder) and
 fsyncs the root so the rename itself survives a power cut. ``staging_name`` only makes up the
-staging folder's name (``save()`` calls it on the training thread, so it does no I/O); the
-first write under it creates the folder, and ``commit`` alone refuses a name that is already
-taken. A write that comes after ``abort`` creates the folder again: it is never listed as a
-checkpoint, and ``cleanup_incomplete`` removes it at the next open.
+staging folder's name (``save()`` calls it on the training thread, so it does no I/O);
+``prepare_staging`` makes the folder, in the training process but off the training thread
+(the pool's dispatcher, before the first job of a checkpoint is sent; the committer), and
+``commit`` alone refuses a name that is already taken. Uploaders never create a staging
+folder: one that outlives its trainer cannot bring back a folder that ``abort`` or the next
+open's recovery removed; its write fails instead.
 
 The single-writer lock is an ``flock`` on ``<root>/.mpckpt.lock``: the kernel drops it when
 its process dies, so a crashed trainer never blocks the next one.
@@ -104,20 +106,22 @@ class LocalBackend:
             raise storage_error(e, f"cannot open checkpoint root {self.root}") from e
 
     @contextlib.contextmanager
-    def _parent(self, relpath: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+    def _parent(self, relpath: str, *, create: bool = False,
+                create_staging: bool = False) -> Iterator[tuple[int, str]]:
         """The open folder holding ``relpath``'s last component, and that component's name.
 
         Each folder is opened ``O_NOFOLLOW`` relative to the one above it, so a link anywhere
         below the root is refused, whatever happens to the paths meanwhile. With ``create``,
         missing folders are made (``mkdir`` never follows a link; one in the way is refused
-        when it is opened), the staging folder too: its first write creates it.
+        when it is opened), except a staging folder (top level), which only ``create_staging``
+        (``prepare_staging``, in the training process) makes: an uploader never brings one back.
         """
         parts = check_relpath(relpath).split("/")
         fd = self._open_root(create=create)
         try:
             for i, part in enumerate(parts[:-1]):
                 shown = os.path.join(self.root, *parts[:i + 1])
-                if create:
+                if create and (create_staging or not (i == 0 and part.startswith(STAGING_PREFIX))):
                     try:
                         os.mkdir(part, 0o755, dir_fd=fd)
                     except FileExistsError:
@@ -231,6 +235,13 @@ class LocalBackend:
         # attempts (or two writers) never share a staging folder; commit refuses a taken name.
         return f"{STAGING_PREFIX}{_top_level(name)}.{os.getpid()}.{secrets.token_hex(4)}"
 
+    def prepare_staging(self, staging: str) -> None:
+        staging = _top_level(staging)
+        if not staging.startswith(STAGING_PREFIX):
+            raise ConfigError(f"{staging!r} is not a staging folder of {self.root}")
+        with self._parent(f"{staging}/{MANIFEST_NAME}", create=True, create_staging=True):
+            pass  # made (or found) and opened without following a link
+
     def write_file(self, relpath: str, parts: Sequence[Buffer]) -> None:
         path = self._abs(relpath)
         with self._parent(relpath, create=True) as (parent, name):
@@ -311,7 +322,7 @@ class LocalBackend:
             if not stat.S_ISDIR(before.st_mode):
                 raise ConfigError(f"{source} is {kind(before.st_mode)}, not a folder; mode=NO_UPLOAD moves a "
                                   "folder itself, never through a link: give the folder's own path")
-            with self._parent(relpath, create=True) as (parent, name):
+            with self._parent(relpath, create=True, create_staging=True) as (parent, name):
                 try:
                     os.rename(base, name, src_dir_fd=src_parent, dst_dir_fd=parent)  # replaces no link or file
                 except OSError as e:
@@ -336,6 +347,7 @@ class LocalBackend:
 
     def commit(self, staging: str, name: str, manifest: bytes) -> None:
         staging, name = _top_level(staging), _top_level(name)
+        self.prepare_staging(staging)  # a checkpoint may have no data file of its own
         # INVARIANT: the manifest is written last, after every data file was fsynced.
         self.write_file(f"{staging}/{MANIFEST_NAME}", [manifest])
         root = self._open_root()

@@ -181,6 +181,9 @@ class ObjectStoreBackend(abc.ABC):
         check_relpath(name)  # no request: save() calls this; commit refuses a taken name
         return name
 
+    def prepare_staging(self, staging: str) -> None:
+        check_relpath(staging)  # no folders on an object store: nothing to make
+
     def upload_file(self, relpath: str, local_path: str) -> None:
         if not os.path.isfile(local_path):
             raise CheckpointNotFoundError(f"cannot upload {local_path}: it does not exist")

@@ -31,6 +31,7 @@ from mpckpt.errors import (
     CorruptCheckpointError,
     LockedError,
     MpckptError,
+    StorageError,
     TransientStorageError,
 )
 from mpckpt.storage import open_backend
@@ -42,8 +43,15 @@ DATA = bytes(range(256)) * 40  # 10240 bytes with a position-dependent pattern
 MANIFEST = json.dumps({"files": {"shard-0.safetensors": len(DATA)}}).encode()
 
 
-def put_checkpoint(b: Backend, name: str, manifest: bytes = MANIFEST, data: bytes = DATA) -> None:
+def stage(b: Backend, name: str) -> str:
+    """The staging folder of ``name``, made as the pool's dispatcher makes it before the first write."""
     staging = b.staging_name(name)
+    b.prepare_staging(staging)
+    return staging
+
+
+def put_checkpoint(b: Backend, name: str, manifest: bytes = MANIFEST, data: bytes = DATA) -> None:
+    staging = stage(b, name)
     view = memoryview(data)
     b.write_file(f"{staging}/shard-0.safetensors", [view[:1000], view[1000:]])
     b.commit(staging, name, manifest)
@@ -99,14 +107,14 @@ class BackendContract:
         assert backend.read_bytes("loose/file.bin") == b"short"
 
     def test_no_manifest_is_visible_before_commit(self, backend: Backend) -> None:
-        staging = backend.staging_name("step-1")
+        staging = stage(backend, "step-1")
         backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         assert not backend.exists(f"step-1/{MANIFEST_NAME}")
         backend.commit(staging, "step-1", MANIFEST)
         assert backend.exists(f"step-1/{MANIFEST_NAME}")
 
     def test_leftovers_of_a_failed_attempt_do_not_survive_a_commit(self, backend: Backend) -> None:
-        failed = backend.staging_name("step-1")
+        failed = stage(backend, "step-1")
         backend.write_file(f"{failed}/junk-from-failed-attempt", [b"junk"])
         backend.abort(failed)  # what the ledger does when an attempt fails
         put_checkpoint(backend, "step-1")
@@ -124,7 +132,7 @@ class BackendContract:
         assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
 
     def test_commit_conflict_never_replaces_a_committed_manifest(self, backend: Backend) -> None:
-        first = backend.staging_name("step-1")
+        first = stage(backend, "step-1")
         second = backend.staging_name("step-1")  # two writers racing for the same name
         backend.write_file(f"{first}/shard-0.safetensors", [DATA])
         backend.commit(first, "step-1", MANIFEST)
@@ -146,7 +154,7 @@ class BackendContract:
         assert backend.read_bytes(f"step-1/{MANIFEST_NAME}") == MANIFEST
 
     def test_abort_removes_the_attempt_but_never_a_committed_checkpoint(self, backend: Backend) -> None:
-        staging = backend.staging_name("step-2")
+        staging = stage(backend, "step-2")
         backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         backend.abort(staging)
         assert not backend.exists(f"{staging}/shard-0.safetensors")
@@ -172,14 +180,17 @@ class BackendContract:
             with pytest.raises(ConfigError):
                 backend.staging_name(bad)
 
-    def test_files_go_under_a_staging_folder_that_was_never_created(self, backend: Backend, tmp_path: Any) -> None:
+    def test_files_go_under_a_prepared_staging_folder_and_a_commit_needs_none(self, backend: Backend,
+                                                                               tmp_path: Any) -> None:
         local = tmp_path / "model.ckpt"
         local.write_bytes(DATA[:100])
         for name, write in (("step-1", lambda rel: backend.write_file(rel, [DATA])),
                             ("step-2", lambda rel: backend.upload_file(rel, str(local))),
-                            ("step-3", None)):  # a commit with no data file creates it too
+                            ("step-3", None)):  # a commit with no data file: commit makes the folder itself
             staging = backend.staging_name(name)
             if write is not None:
+                backend.prepare_staging(staging)
+                backend.prepare_staging(staging)  # idempotent: each wave's jobs prepare it again
                 write(f"{staging}/deep/er/file.bin")
             backend.commit(staging, name, MANIFEST)
         assert backend.read_bytes("step-1/deep/er/file.bin") == DATA
@@ -262,7 +273,7 @@ class BackendContract:
 
     def test_cleanup_incomplete_keeps_committed_checkpoints(self, backend: Backend) -> None:
         put_checkpoint(backend, "step-1")
-        staging = backend.staging_name("step-2")
+        staging = stage(backend, "step-2")
         backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
         removed = backend.cleanup_incomplete()
         assert all(isinstance(r, str) for r in removed)
@@ -386,13 +397,30 @@ class TestLocal(BackendContract):
         (root / "step-3" / MANIFEST_NAME).write_bytes(b'{"torn')  # a damaged manifest is still taken
         for name, why in (("step-1", "is a regular file"), ("step-2", "is a symbolic link"),
                           ("step-3", "step-3 already exists")):
-            staging = backend.staging_name(name)
+            staging = stage(backend, name)
             backend.write_file(f"{staging}/shard-0.safetensors", [DATA])
             with pytest.raises(CommitConflictError, match=why):
                 backend.commit(staging, name, MANIFEST)
             backend.abort(staging)
         assert self.stored(backend) == ["step-1", "step-2", "step-3", f"step-3/{MANIFEST_NAME}"]
         assert (root / "step-2").is_symlink() and list(tmp_path.iterdir()) == [root]
+
+    def test_a_write_never_brings_back_a_staging_folder(self, backend: Any, tmp_path: Any) -> None:
+        """An uploader that outlives its trainer, or writes after an abort, fails instead of
+        re-creating a staging folder the next open (or the abort) removed."""
+        local = tmp_path / "model.ckpt"
+        local.write_bytes(DATA[:100])
+        never = backend.staging_name("step-1")
+        aborted = stage(backend, "step-2")
+        backend.write_file(f"{aborted}/shard-0.safetensors", [DATA])
+        backend.abort(aborted)
+        for staging in (never, aborted):
+            for write in (lambda rel: backend.write_file(rel, [DATA]), lambda rel: backend.upload_file(rel, str(local))):
+                with pytest.raises(StorageError, match="no longer exists"):
+                    write(f"{staging}/deep/shard-0.safetensors")
+        assert self.stored(backend) == []
+        with pytest.raises(ConfigError, match="not a staging folder"):
+            backend.prepare_staging("step-3")  # only a staging folder is made this way
 
     def test_adopt_folder_moves_the_folder_into_a_staging_folder(self, backend: Any, tmp_path: Any) -> None:
         user = tmp_path / "exported"

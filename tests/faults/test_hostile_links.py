@@ -495,10 +495,11 @@ def test_a_link_planted_in_a_staging_folder_is_never_written_through(
         assert target.read_bytes() == data
 
 
-@pytest.mark.parametrize("how", ["write_file", "upload_file", "adopt_folder"])
+@pytest.mark.parametrize("how", ["prepare_staging", "write_file", "upload_file", "adopt_folder"])
 def test_a_link_planted_as_the_staging_folder_is_never_written_through(
         tmp_path: Path, victim: Path, how: str) -> None:
-    """The first write creates the staging folder: a link planted under its name is refused."""
+    """``prepare_staging`` makes the staging folder: a link planted under its name is refused, by it
+    and by every write under it."""
     b = LocalBackend(str(tmp_path / "run"))
     b.check_writable()
     staging = b.staging_name("step_0000000007")
@@ -509,7 +510,9 @@ def test_a_link_planted_as_the_staging_folder_is_never_written_through(
     src.mkdir()
     (src / "model.bin").write_bytes(b"m" * 100)
     with pytest.raises(StorageError, match=re.escape(f"{tmp_path / 'run' / staging} is a symbolic link")):
-        if how == "write_file":
+        if how == "prepare_staging":
+            b.prepare_staging(staging)
+        elif how == "write_file":
             b.write_file(f"{staging}/shard.safetensors", [b"x" * 100])
         elif how == "upload_file":
             b.upload_file(f"{staging}/shard.safetensors", str(src / "model.bin"))

@@ -79,6 +79,7 @@ def _job(record: Pending, rel: str) -> types.SimpleNamespace:
 def write_file(ledger: Ledger, backend: LocalBackend, record: Pending, rel: str = "shard-0.safetensors") -> None:
     """One of ``record``'s jobs writes its file and reports it, like the pool callback."""
     data = f"step {record.step} {rel}".encode()
+    backend.prepare_staging(record.staging)  # what the pool's dispatcher does before the first job
     backend.write_file(f"{record.staging}/{rel}", [data])
     ledger.job_done(record, "writing shard")(_job(record, rel), {"size": len(data), "checksum": checksum(data)}, None)
 
