@@ -33,6 +33,7 @@ from multiprocess.connection import wait as mp_wait
 
 from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
 from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
+from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_NICE, DEFAULT_START_METHOD
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec
 
@@ -102,8 +103,8 @@ class _Slot:
 
 class UploaderPool:
     def __init__(
-        self, spec: BackendSpec, *, workers: int, start_method: str = "forkserver", nice: int = 10,
-        max_attempts: int = 3, in_process: bool = False, environ: dict[str, str] | None = None,
+        self, spec: BackendSpec, *, workers: int, start_method: str = DEFAULT_START_METHOD, nice: int = DEFAULT_NICE,
+        max_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS, in_process: bool = False, environ: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
         self.environ = environ

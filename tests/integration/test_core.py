@@ -278,6 +278,17 @@ def test_coalesce_replaces_a_queued_checkpoint(tmp_path):
     assert ckpt.steps() == [0, 2] and ckpt.stats.coalesced == 1
 
 
+def test_metrics_reported_without_a_checkpoint_are_kept_in_stats(tmp_path):
+    with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
+        assert ckpt.report({"loss": torch.tensor(0.5), "step": 3}) is None
+        assert ckpt.report({"loss": 0.25}) is None  # the step follows the last saved one (none yet: 0)
+        ckpt.save(7, {"x": torch.ones(2)}, mode="sync")
+        assert ckpt.report({"acc": 0.9}) is None
+        assert ckpt.stats.reported == [{"step": 3, "loss": 0.5}, {"step": 0, "loss": 0.25}, {"step": 8, "acc": 0.9}]
+        assert ckpt.stats.as_dict()["reported"] == ckpt.stats.reported
+        assert ckpt.steps() == [7]  # metrics alone commit nothing
+
+
 def test_directory_checkpoints_upload_commit_and_read_back(tmp_path):
     src = tmp_path / "hf"
     (src / "sub").mkdir(parents=True)
