@@ -20,13 +20,11 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
 import socket
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +34,7 @@ from mpckpt._stage.copier import estimate_state_bytes
 from mpckpt._stage.snapshot import flatten
 from mpckpt.catalog import Catalog, load  # noqa: F401 -- load: mpckpt.load, kept importable here
 from mpckpt.checkpoint import Checkpoint, local_files
-from mpckpt.config import BudgetPolicy, Config, UploadMode
+from mpckpt.config import BudgetPolicy, Config, UploadMode, fit_budget_to_shm
 from mpckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -78,7 +76,7 @@ class Checkpointer:
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
         backend = open_backend(self._spec)
         backend.check_writable()
-        self._check_shm()
+        self.config = fit_budget_to_shm(self.config)
         # Everything the Checkpointer holds lives in the runtime, which never refers back to
         # it: so an unclosed Checkpointer that nobody references can be finalized.
         self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
@@ -105,21 +103,6 @@ class Checkpointer:
         """Process ids of the uploader processes (empty when uploads run in threads of this process)."""
         pool = self._rt.pool
         return [] if pool is None or pool.in_process else list(pool.pids)
-
-    def _check_shm(self) -> None:
-        free = _shm_free()
-        if free is not None and free < min(self.config.memory_budget_bytes, 64 << 20):
-            raise ConfigError(
-                f"/dev/shm has only {free >> 20} MiB free, below the memory budget; enlarge it "
-                "(docker: --shm-size=8g) or lower memory_budget / MPCKPT_MEMORY_BUDGET"
-            )
-        if free is not None and free < self.config.memory_budget_bytes:
-            warnings.warn(
-                f"mpckpt: /dev/shm has {free >> 20} MiB free, less than the memory budget "
-                f"({self.config.memory_budget_bytes >> 20} MiB); saves will stream through what is there",
-                stacklevel=3,
-            )
-            self.config = dataclasses.replace(self.config, memory_budget_bytes=int(free * 0.9))
 
     # -- context manager ----------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -354,9 +337,3 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _shm_free() -> int | None:
-    from mpckpt.config import shm_free_bytes
-
-    return shm_free_bytes()

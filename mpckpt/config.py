@@ -17,10 +17,12 @@ memory limit when one is set.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -267,3 +269,28 @@ class Config:
             start_method=method,
             direct_io=use_direct_io,
         )
+
+
+def fit_budget_to_shm(config: Config) -> Config:
+    """``config`` with a memory budget /dev/shm can hold: an error if it holds almost nothing.
+
+    Slabs live in /dev/shm. With less free there than the budget, saves stream through what is
+    there (a warning, and the budget lowered to 90% of it); with less than 64 MiB (or the
+    budget, if smaller) a ``ConfigError`` says how to enlarge it.
+    """
+    free = shm_free_bytes()
+    if free is None:
+        return config
+    if free < min(config.memory_budget_bytes, 64 << 20):
+        raise ConfigError(
+            f"/dev/shm has only {free >> 20} MiB free, below the memory budget; enlarge it "
+            "(docker: --shm-size=8g) or lower memory_budget / MPCKPT_MEMORY_BUDGET"
+        )
+    if free < config.memory_budget_bytes:
+        warnings.warn(
+            f"mpckpt: /dev/shm has {free >> 20} MiB free, less than the memory budget "
+            f"({config.memory_budget_bytes >> 20} MiB); saves will stream through what is there",
+            stacklevel=4,
+        )
+        return dataclasses.replace(config, memory_budget_bytes=int(free * 0.9))
+    return config

@@ -3,7 +3,7 @@
 - A 1 GiB state under a 64 MiB budget streams through the budget in pieces: the shared memory
   of this process, sampled from outside every 2 ms, never exceeds the budget, and the
   checkpoint loads back bit for bit.
-- /dev/shm is checked when the Checkpointer opens (``_check_shm``): with less free space than
+- /dev/shm is checked when the Checkpointer opens (``config.fit_budget_to_shm``): with less free space than
   the smaller of the budget and 64 MiB it refuses with a ``ConfigError`` saying what to do;
   with less than the budget it warns and lowers the effective budget to what is there.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mpckpt
-import mpckpt.checkpointer
+import mpckpt.config
 from mpckpt.errors import ConfigError
 from tests.integration.test_core import ShmSampler
 
@@ -48,7 +48,7 @@ def test_one_gib_through_a_64_mib_budget(tmp_path):
 
 
 def _shm_free(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
-    monkeypatch.setattr(mpckpt.checkpointer, "_shm_free", lambda: free)
+    monkeypatch.setattr(mpckpt.config, "shm_free_bytes", lambda: free)
 
 
 @pytest.mark.parametrize("free_mib", [0, 1, 63])
