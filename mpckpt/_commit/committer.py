@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt._commit.coordinator import Coordinator
@@ -35,18 +36,19 @@ from mpckpt.storage import Backend
 log = logging.getLogger("mpckpt")
 
 
+@dataclass(eq=False)
 class Committer:
     """One thread that commits the ledger's records in order, with retention after each."""
 
-    def __init__(self, ledger: Ledger, backend: Backend, coordinator: Coordinator, deleter: Deleter, *,
-                 retention: RetentionPolicy | None = None,
-                 on_forget: Callable[[str], None] | None = None) -> None:
-        self.ledger = ledger
-        self.backend = backend
-        self.coordinator = coordinator
-        self.deleter = deleter
-        self.retention = retention
-        self._on_forget = on_forget
+    ledger: Ledger
+    backend: Backend
+    coordinator: Coordinator
+    deleter: Deleter
+    retention: RetentionPolicy | None = None
+    on_forget: Callable[[str], None] | None = None  # a folder retention deletes: never reference it again
+    _thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
         self._thread.start()
 
@@ -109,8 +111,8 @@ class Committer:
             doomed = [(step, checkpoint_name(step)) for (step, _), kept in zip(committed, keep, strict=True)
                       if not kept and checkpoint_name(step) not in referenced]
             for _, name in doomed:
-                if self._on_forget is not None:
-                    self._on_forget(name)
+                if self.on_forget is not None:
+                    self.on_forget(name)
             self.ledger.forget([step for step, _ in doomed])
             return [name for _, name in doomed]
         except Exception as e:  # the commit stands; retention failing must not stop commits

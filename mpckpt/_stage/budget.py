@@ -16,6 +16,7 @@ Later waves of a state larger than the budget always wait for the previous wave'
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mpckpt._commit.ledger import Ledger
 from mpckpt._stage.arena import Arena, Slab
@@ -25,17 +26,16 @@ from mpckpt.config import BudgetPolicy, Config
 from mpckpt.storage import Backend
 
 
+@dataclass(eq=False)
 class Budget:
     """Slabs for saves of one checkpointer, under its memory budget and policy."""
 
-    def __init__(self, config: Config, arena: Arena, ledger: Ledger, pool: UploaderPool, backend: Backend, *,
-                 on_wait: Callable[[], None]) -> None:
-        self.config = config
-        self.arena = arena
-        self.ledger = ledger
-        self.pool = pool
-        self.backend = backend
-        self._on_wait = on_wait
+    config: Config
+    arena: Arena
+    ledger: Ledger
+    pool: UploaderPool
+    backend: Backend
+    on_wait: Callable[[], None]  # called while waiting for memory: raises unseen background failures
 
     def take_first(self, layout: Layout) -> Slab | None:
         """The slab of the first wave, or None when the policy is ``skip`` and the budget is full."""
@@ -57,7 +57,7 @@ class Budget:
 
     def take(self, nbytes: int) -> Slab:
         """A slab of ``nbytes``, waiting for uploads to free memory (bounded)."""
-        return self.arena.acquire(nbytes, timeout_s=self.config.timeout_s, on_wait=self._on_wait)
+        return self.arena.acquire(nbytes, timeout_s=self.config.timeout_s, on_wait=self.on_wait)
 
     def release(self, slab: Slab) -> None:
         self.arena.release(slab)

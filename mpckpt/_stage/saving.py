@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt._commit.ledger import Ledger, Pending
@@ -38,20 +39,23 @@ from mpckpt.restore import SKELETON_VERSION
 from mpckpt.storage import Backend
 
 
+@dataclass(eq=False)
 class Snapshotter:
     """Turns states into slabs and write jobs for one checkpointer."""
 
-    def __init__(self, config: Config, ledger: Ledger, budget: Budget, pool: UploaderPool, backend: Backend,
-                 stats: CheckpointerStats) -> None:
-        self.config = config
-        self.backend = backend
-        self.ledger = ledger
-        self.budget = budget
-        self.pool = pool
-        self.stats = stats
-        self.layouts = LayoutCache(budget_bytes=config.memory_budget_bytes, workers=config.workers)
-        self.frozen = FrozenShards(ledger)
-        self._copier: BackgroundCopier | None = None
+    config: Config
+    ledger: Ledger
+    budget: Budget
+    pool: UploaderPool
+    backend: Backend
+    stats: CheckpointerStats
+    layouts: LayoutCache = field(init=False)
+    frozen: FrozenShards = field(init=False)
+    _copier: BackgroundCopier | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.layouts = LayoutCache(budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
+        self.frozen = FrozenShards(self.ledger)
 
     def save(self, step: int, state: Any, metrics: dict[str, Any], *, overlap: bool) -> SaveFuture:
         """Snapshot ``state`` as checkpoint ``step``; the future resolves at its commit."""
