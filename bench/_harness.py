@@ -316,6 +316,15 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def percentile(values: Sequence[float], pct: float) -> float:
+    """The ``pct`` percentile, linearly interpolated (``statistics.quantiles``' inclusive method)."""
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1]
+
+
 def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares line ``y = slope * x + intercept``; returns (slope, intercept)."""
     n = len(xs)
