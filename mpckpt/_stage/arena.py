@@ -1,8 +1,14 @@
 """Reusable shared-memory slabs and the one byte budget over all of them.
 
-A slab is a named shared-memory segment, touched once when it is created (so no page fault
-is ever paid inside ``save``) and viewed as a flat uint8 tensor. A save takes one free slab
-per wave, copies into it, and gives it back once the uploaders have written that wave.
+A slab is a named shared-memory segment whose pages are allocated when it is created
+(``posix_fallocate``: /dev/shm running out is a clear ``BudgetError`` then, never a SIGBUS
+later), viewed as a flat uint8 tensor. A save takes one free slab per wave, copies into it,
+and gives it back once the uploaders have written that wave.
+
+Slabs made ahead of a save (``reserve``: ``prepare``/``restore``; the spare below) are also
+touched, so no page fault is paid inside ``save``. A slab a save has to make itself (the first
+save of a run that never called ``prepare``) is not: the copy maps its pages as it goes, which
+costs less than a touch pass followed by the copy.
 
 When a save takes the last free slab, ``ensure_spare`` creates and touches one more of the
 same size in a background thread (budget permitting), so the next save, which usually comes
@@ -17,6 +23,7 @@ size of its segments in /dev/shm — never exceeds the budget.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +34,7 @@ import torch
 from mpckpt._stage.shm import Segment
 from mpckpt.errors import BudgetError, WaitTimeoutError
 
+log = logging.getLogger("mpckpt")
 _ROUND = 2 << 20  # slabs are sized in 2 MiB steps so similar requests reuse one
 
 
@@ -69,8 +77,11 @@ class Arena:
         free = [s for s in self._slabs if not s.in_use and s.capacity >= nbytes]
         return min(free, key=lambda s: s.capacity) if free else None
 
-    def _take(self, nbytes: int) -> Slab | None:
-        """A free slab of at least ``nbytes`` (reused, or made within the budget), or None."""
+    def _take(self, nbytes: int, *, touch: bool = False) -> Slab | None:
+        """A free slab of at least ``nbytes`` (reused, or made within the budget), or None.
+
+        A slab made here is touched only with ``touch`` (made ahead of a save).
+        """
         if self.closed:  # a waiter woken by close() must not make a segment nobody will unlink
             raise BudgetError("the checkpointer is closed; its shared memory is gone")
         slab = self._fits(nbytes)
@@ -84,19 +95,25 @@ class Arena:
                 self._drop(idle)
             if self.allocated_bytes + size > self.budget_bytes:
                 return None
-            slab = self._create(size)
+            slab = self._create(size, touch=touch)
         slab.in_use = True
         return slab
 
-    def _create(self, size: int) -> Slab:
-        slab = self._make(size)
+    def _create(self, size: int, *, touch: bool) -> Slab:
+        slab = self._make(size, touch=touch)
         self._slabs.append(slab)
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return slab
 
-    def _make(self, size: int) -> Slab:
-        slab = Slab(Segment.create(size))
-        slab.tensor.zero_()  # touch every page now, not during a save
+    def _make(self, size: int, *, touch: bool) -> Slab:
+        try:
+            segment = Segment.create(size)
+        except OSError as e:
+            raise BudgetError(f"no room in /dev/shm for {size >> 20} MiB of the memory budget ({e.strerror}); "
+                              "free space there (docker: --shm-size) or lower memory_budget / MPCKPT_MEMORY_BUDGET") from e
+        slab = Slab(segment)
+        if touch:
+            slab.tensor.zero_()  # map every page now, not during a save
         if self.pin and torch.cuda.is_available():
             slab.pinned = _pin(slab.tensor)
         return slab
@@ -115,8 +132,8 @@ class Arena:
 
     def _make_spare(self, size: int) -> None:
         try:
-            slab: Slab | None = self._make(size)
-        except (OSError, RuntimeError):
+            slab: Slab | None = self._make(size, touch=True)
+        except (BudgetError, OSError, RuntimeError):
             slab = None  # no room in /dev/shm right now: a later save will wait or stream instead
         with self._cond:
             self._creating = 0
@@ -138,12 +155,19 @@ class Arena:
     def reserve(self, nbytes: int, *, count: int = 1) -> int:
         """Have ``count`` free slabs of ``nbytes`` made and touched now, as the budget allows.
 
-        Returns how many there are.
+        Returns how many there are. Warming is best effort: with no room left in /dev/shm it
+        stops there (logged), and the first save makes or waits for what it needs.
         """
         with self._cond:
             held = []
             for _ in range(count):
-                slab = self._take(min(nbytes, self.budget_bytes))
+                try:
+                    slab = self._take(min(nbytes, self.budget_bytes), touch=True)
+                except BudgetError as e:
+                    if self.closed:
+                        raise
+                    log.warning("mpckpt: warming shared memory stopped: %s", e)
+                    break
                 if slab is None:
                     break
                 held.append(slab)

@@ -266,6 +266,9 @@ class Segment:
         by, name, fd = _open_new_segment()
         try:
             os.ftruncate(fd, size)
+            # INVARIANT: every page is allocated now: with /dev/shm full this is ENOSPC here,
+            # never a SIGBUS that kills the trainer at its first write into a hole
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -248,3 +248,35 @@ def test_nothing_is_made_after_close(make_arena, shm_sizes):
         with pytest.raises(BudgetError, match="closed"):
             request()
     assert shm_sizes() == {}
+
+
+def test_dev_shm_running_out_is_a_budget_error_not_a_sigbus(make_arena, monkeypatch):
+    """Slab pages are allocated when it is made: /dev/shm running out fails there, cleanly."""
+    arena = make_arena(64 * MiB)
+    before = set(_shm.segments_of_this_process())
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_shm.os, "posix_fallocate", full)
+    with pytest.raises(BudgetError, match=r"no room in /dev/shm for 8 MiB.*--shm-size"):
+        arena.try_acquire(8 * MiB)
+    assert set(_shm.segments_of_this_process()) == before  # the failed segment is unlinked
+    assert arena.allocated_bytes == 0
+    assert arena.reserve(8 * MiB, count=2) == 0  # warming (prepare, restore) is best effort: no raise
+    monkeypatch.undo()
+    slab = arena.try_acquire(8 * MiB)  # room again: the arena works on
+    assert slab is not None and slab.capacity >= 8 * MiB
+
+
+def test_slabs_made_ahead_are_touched_and_every_page_is_allocated(make_arena):
+    arena = make_arena(64 * MiB)
+    assert arena.reserve(8 * MiB) == 1
+    ahead = arena.try_acquire(8 * MiB)
+    assert ahead is not None
+    in_save = arena.try_acquire(8 * MiB)  # made inside a save: allocated, mapped by the copy
+    assert in_save is not None
+    for slab in (ahead, in_save):
+        st = os.stat(f"/dev/shm/{slab.name}")
+        assert st.st_blocks * 512 >= slab.capacity  # no hole a write could SIGBUS on
+    assert bool((in_save.tensor == 0).all())  # fresh pages read as zeros either way
