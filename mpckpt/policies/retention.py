@@ -12,6 +12,7 @@ a folder that a committed or pending checkpoint still references; the ``Deleter`
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from mpckpt.errors import ConfigError
 Records = Sequence[tuple[int, Any]]
 
 
-class RetentionPolicy:
+class RetentionPolicy(abc.ABC):
     """Which committed checkpoints to keep; subclasses implement ``votes``."""
 
     def keep(self, records: Records) -> list[bool]:
@@ -34,8 +35,9 @@ class RetentionPolicy:
             decisions[-1] = True
         return decisions
 
+    @abc.abstractmethod
     def votes(self, records: Records) -> list[bool]:
-        raise NotImplementedError
+        """This policy's own decision per record (``keep`` adds: the newest is always kept)."""
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):
