@@ -41,7 +41,6 @@ from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import recover
 from mpckpt.config import Config
 from mpckpt.errors import LockedError
-from mpckpt.policies.retention import KeepLast
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
 
@@ -121,9 +120,8 @@ class Runtime:
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
-            retention = KeepLast(config.keep_last) if config.keep_last is not None else None
             self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
-                                       retention=retention, on_forget=self.saver.frozen.forget_folder)
+                                       retention=config.retention, on_forget=self.saver.frozen.forget_folder)
         except BaseException:
             self._stop_background(timeout_s=5)
             self._let_go_of_lock()

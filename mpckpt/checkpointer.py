@@ -43,6 +43,7 @@ from mpckpt.errors import (
     add_note,
 )
 from mpckpt.format.manifest import checkpoint_name
+from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.restore import apply_state, load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
@@ -61,6 +62,7 @@ class Checkpointer:
         policy: str | BudgetPolicy | None = None,
         overlap: bool | None = None,
         keep_last: int | None = None,
+        keep: RetentionPolicy | None = None,
         allow_pickle: bool = False,
         timeout_s: float | None = None,
         job_timeout_s: float | None = None,
@@ -70,7 +72,7 @@ class Checkpointer:
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
-            allow_pickle=allow_pickle, keep_last=keep_last, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
+            allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)

@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from mpckpt.errors import ConfigError
+from mpckpt.policies.retention import KeepAny, KeepLast, RetentionPolicy
 
 _UNITS = {
     "": 1, "b": 1,
@@ -201,6 +202,14 @@ class Config:
     nice: int = DEFAULT_NICE
     job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
     direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
+    keep: RetentionPolicy | None = None
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """What the committer keeps: ``keep``, and ``keep_last`` as ``KeepLast`` (either keeps)."""
+        parts = [p for p in (KeepLast(self.keep_last) if self.keep_last is not None else None, self.keep)
+                 if p is not None]
+        return KeepAny(*parts) if len(parts) > 1 else (parts[0] if parts else None)
 
     def job_deadline_s(self, nbytes: int) -> float:
         """How long one file may take: ``job_timeout_s`` plus a second per MB (1 MB/s floor)."""
@@ -220,6 +229,7 @@ class Config:
         job_timeout_s: Any = None,
         start_method: Any = None,
         direct_io: Any = None,
+        keep: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -254,16 +264,18 @@ class Config:
             raise ConfigError(f"{name}={raw!r} is not one of {', '.join(map(repr, START_METHODS))}")
         raw, name = pick(direct_io, "MPCKPT_DIRECT_IO")
         use_direct_io = DEFAULT_DIRECT_IO if raw in (None, "") else _parse_bool(raw, setting=name)
-        keep = None
-        if keep_last is not None:
-            keep = _parse_int(keep_last, setting="keep_last", low=1, high=1 << 31)
+        last = None if keep_last is None else _parse_int(keep_last, setting="keep_last", low=1, high=1 << 31)
+        if keep is not None and not isinstance(keep, RetentionPolicy):
+            raise ConfigError(f"keep={keep!r} is not a retention policy; give one such as mpckpt.KeepLast(3), "
+                              "or several combined with |: mpckpt.KeepLast(3) | mpckpt.KeepBest(1, 'val_loss')")
         return cls(
             memory_budget_bytes=budget,
             workers=n_workers,
             policy=chosen_policy,
             overlap=use_overlap,
             allow_pickle=bool(allow_pickle),
-            keep_last=keep,
+            keep_last=last,
+            keep=keep,
             timeout_s=timeout,
             job_timeout_s=job_timeout,
             start_method=method,

@@ -1,0 +1,74 @@
+"""Exact resume and retention policies, through a real Checkpointer on local disk.
+
+- ``mpckpt.RNGState()`` saved with the state puts torch's, Python's and NumPy's generators back
+  at ``restore``: the numbers drawn after a restore are the ones drawn after the save; it
+  refuses a value that is not an RNGState's with a ``StateError``.
+- ``keep=`` takes retention policies combined with ``|``, and with ``keep_last`` either one
+  keeps a checkpoint; anything else is a ``ConfigError`` naming ``keep``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import pytest
+import torch
+
+import mpckpt
+from mpckpt.errors import ConfigError, StateError
+
+
+def _draw() -> tuple[list[float], float, list[float]]:
+    return torch.rand(5).tolist(), random.random(), numpy.random.rand(5).tolist()
+
+
+def test_rng_state_restores_every_generator(tmp_path):
+    torch.manual_seed(1)
+    random.seed(2)
+    numpy.random.seed(3)
+    _draw()  # move every generator off its seed
+    rng = mpckpt.RNGState()
+    with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
+        ckpt.save(10, {"rng": rng, "step": 10}, mode="sync")
+        after_save = _draw()
+        _draw()  # training goes on, then the process dies
+    torch.manual_seed(99)
+    random.seed(99)
+    numpy.random.seed(99)
+    with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
+        state = {"rng": mpckpt.RNGState(), "step": 0}
+        assert ckpt.restore(state) == 10
+    assert state["step"] == 10
+    assert _draw() == after_save  # bit-identical: the same numbers as right after the save
+
+
+def test_rng_state_is_stored_without_pickle_and_refuses_what_is_not_one(tmp_path):
+    with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:  # allow_pickle is off
+        ckpt.save(0, {"rng": mpckpt.RNGState()}, mode="sync")
+        loaded = ckpt.load()["rng"]
+        assert set(loaded) >= {"torch", "python", "numpy"}
+        assert isinstance(loaded["torch"], torch.Tensor) and loaded["python"]["internal"].numel() == 625
+        ckpt.save(1, {"rng": {"lr": 0.1}}, mode="sync")
+        with pytest.raises(StateError, match="does not hold an RNGState"):
+            ckpt.restore({"rng": mpckpt.RNGState()})
+
+
+def test_keep_policies_combine_and_keep_last_joins_them(tmp_path):
+    losses = {0: 0.9, 1: 0.1, 2: 0.8, 3: 0.7, 4: 0.6, 5: 0.5, 6: 0.4}
+    keep = mpckpt.KeepLast(2) | mpckpt.KeepBest(1, "loss")
+    with mpckpt.Checkpointer(tmp_path / "a", workers=1, keep=keep) as ckpt:
+        for step, loss in losses.items():
+            ckpt.save(step, {"x": torch.ones(4) * step}, metrics={"loss": loss}, mode="sync")
+        ckpt.wait()
+        assert ckpt.steps() == [1, 5, 6]  # the best (loss 0.1) and the last two
+    assert sorted(p.name for p in (tmp_path / "a").glob("step_*")) == [
+        "step_0000000001", "step_0000000005", "step_0000000006"]
+    with mpckpt.Checkpointer(tmp_path / "b", workers=1, keep=mpckpt.KeepEvery(3), keep_last=1) as ckpt:
+        for step in range(8):
+            ckpt.save(step, {"x": torch.ones(4)}, mode="sync")
+        ckpt.wait()
+        assert ckpt.steps() == [0, 3, 6, 7]  # multiples of 3, and the newest
+    for bad in (3, "KeepLast(3)", [mpckpt.KeepLast(1)]):
+        with pytest.raises(ConfigError, match="keep="):
+            mpckpt.Checkpointer(tmp_path / "c", workers=1, keep=bad)
