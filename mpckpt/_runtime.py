@@ -41,6 +41,7 @@ from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import recover
 from mpckpt.config import Config
 from mpckpt.errors import LockedError
+from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
 
@@ -98,6 +99,7 @@ class Runtime:
         self.closed = False
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
+        self.schedule = Schedule(config.trigger, opened=time.monotonic())
         self.lock = acquire_writer_lock(backend, owner, where)
         self.pool: UploaderPool | None = None
         self.committer: Committer | None = None

@@ -44,6 +44,7 @@ from mpckpt.errors import (
 )
 from mpckpt.format.manifest import checkpoint_name
 from mpckpt.policies.retention import RetentionPolicy
+from mpckpt.policies.triggers import Trigger
 from mpckpt.restore import apply_state, load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
@@ -63,6 +64,7 @@ class Checkpointer:
         overlap: bool | None = None,
         keep_last: int | None = None,
         keep: RetentionPolicy | None = None,
+        trigger: Trigger | None = None,
         allow_pickle: bool = False,
         timeout_s: float | None = None,
         job_timeout_s: float | None = None,
@@ -72,7 +74,7 @@ class Checkpointer:
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
-            allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
+            allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
@@ -139,20 +141,26 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         mode: UploadMode | str = UploadMode.ASYNC,
         overlap: bool | None = None,
-    ) -> SaveFuture:
+        force: bool = False,
+    ) -> SaveFuture | None:
         """Snapshot ``state`` for ``step``; return once copied (ASYNC) or committed (SYNC).
 
-        With ``overlap`` (default: the checkpointer's setting) the copy of parameters and
-        optimizer state runs in the background until the next ``optimizer.step()``.
+        With a ``trigger``, a step that is not due returns None at once (nothing copied);
+        ``force`` saves regardless. With ``overlap`` (default: the checkpointer's setting) the
+        copy of parameters and optimizer state runs in the background until the next
+        ``optimizer.step()``.
         """
         started = time.perf_counter()
         self._check_usable()
-        self.snapshot_barrier()
         mode = _mode(mode)
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
         step = self._check_step(step)
         metrics = _check_metrics(metrics)
+        now = time.monotonic()
+        if not force and not self._rt.schedule.due(step, now):
+            return None
+        self.snapshot_barrier()
         overlap = self.config.overlap if overlap is None else bool(overlap)
         # A save allocates an object or two per tensor and creates no cycles: a collection
         # triggered in here would scan every live tensor on the training thread's time.
@@ -163,6 +171,8 @@ class Checkpointer:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        if future.stats.status != "skipped":
+            self._rt.schedule.saved(step, now)
         return self._returned(future, mode, started)
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
@@ -171,6 +181,10 @@ class Checkpointer:
             future.result(self.config.timeout_s)
         future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` would save now (always True without a ``trigger``)."""
+        return self._rt.schedule.due(self._check_int(step), time.monotonic())
 
     def snapshot_barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying.
@@ -231,12 +245,17 @@ class Checkpointer:
             raise MpckptError("this Checkpointer is closed; open a new one")
         self._rt.errors.raise_unseen()
 
-    def _check_step(self, step: Any) -> int:
+    @staticmethod
+    def _check_int(step: Any) -> int:
         if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
             raise ConfigError(f"step={step!r} must be an int")
         step = int(step)
         if step < 0:
             raise ConfigError(f"step={step} must not be negative")
+        return step
+
+    def _check_step(self, step: Any) -> int:
+        step = self._check_int(step)
         last = self._rt.ledger.last_step
         if last is not None and step <= last:
             raise StepOrderError(

@@ -31,6 +31,7 @@ import psutil
 
 from mpckpt.errors import ConfigError
 from mpckpt.policies.retention import KeepAny, KeepLast, RetentionPolicy
+from mpckpt.policies.triggers import Trigger, check_trigger
 
 _UNITS = {
     "": 1, "b": 1,
@@ -203,6 +204,7 @@ class Config:
     job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
     direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
     keep: RetentionPolicy | None = None
+    trigger: Trigger | None = None
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -230,6 +232,7 @@ class Config:
         start_method: Any = None,
         direct_io: Any = None,
         keep: Any = None,
+        trigger: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -276,6 +279,7 @@ class Config:
             allow_pickle=bool(allow_pickle),
             keep_last=last,
             keep=keep,
+            trigger=check_trigger(trigger),
             timeout_s=timeout,
             job_timeout_s=job_timeout,
             start_method=method,

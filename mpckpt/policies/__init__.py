@@ -1,9 +1,11 @@
-"""Public, pure decisions over committed checkpoints: retention (which to keep).
+"""Public, pure decisions: which committed checkpoints to keep (retention) and when to save (triggers).
 
 Policies are objects combined with ``|``; they never touch storage, and read the clock only
-through a function they are given.
+through what they are given.
 """
 
 from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
+from mpckpt.policies.triggers import AnyTrigger, EveryNSeconds, EveryNSteps, Trigger
 
-__all__ = ["KeepAny", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "RetentionPolicy"]
+__all__ = ["AnyTrigger", "EveryNSeconds", "EveryNSteps", "KeepAny", "KeepBest", "KeepEvery", "KeepLast",
+           "KeepNewerThan", "RetentionPolicy", "Trigger"]

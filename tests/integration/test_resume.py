@@ -1,15 +1,18 @@
-"""Exact resume and retention policies, through a real Checkpointer on local disk.
+"""Exact resume, retention policies and save triggers, through a real Checkpointer on local disk.
 
 - ``mpckpt.RNGState()`` saved with the state puts torch's, Python's and NumPy's generators back
   at ``restore``: the numbers drawn after a restore are the ones drawn after the save; it
   refuses a value that is not an RNGState's with a ``StateError``.
 - ``keep=`` takes retention policies combined with ``|``, and with ``keep_last`` either one
   keeps a checkpoint; anything else is a ``ConfigError`` naming ``keep``.
+- ``trigger=``: ``save`` saves only the steps that are due (else returns None, copying nothing),
+  ``should_save`` says the same, ``force=True`` saves regardless; a bad trigger names ``trigger``.
 """
 
 from __future__ import annotations
 
 import random
+import time
 
 import numpy
 import pytest
@@ -72,3 +75,26 @@ def test_keep_policies_combine_and_keep_last_joins_them(tmp_path):
     for bad in (3, "KeepLast(3)", [mpckpt.KeepLast(1)]):
         with pytest.raises(ConfigError, match="keep="):
             mpckpt.Checkpointer(tmp_path / "c", workers=1, keep=bad)
+
+
+def test_a_trigger_decides_which_saves_save(tmp_path):
+    trigger = mpckpt.EveryNSteps(3) | mpckpt.EveryNSeconds(3600)
+    with mpckpt.Checkpointer(tmp_path / "run", workers=1, trigger=trigger) as ckpt:
+        answers, futures = [], {}
+        for step in range(8):
+            answers.append(ckpt.should_save(step))
+            futures[step] = ckpt.save(step, {"x": torch.ones(4) * step})
+        assert answers == [step % 3 == 0 for step in range(8)]
+        assert [s for s, f in futures.items() if f is not None] == [0, 3, 6]
+        forced = ckpt.save(8, {"x": torch.ones(4) * 8}, force=True)
+        assert forced is not None and forced.result(60).name == "step_0000000008"
+        with pytest.raises(mpckpt.errors.StepOrderError):
+            ckpt.save(7, {"x": torch.ones(4)})  # a step that is not due is still checked
+        ckpt.wait()
+        assert ckpt.steps() == [0, 3, 6, 8]
+    with mpckpt.Checkpointer(tmp_path / "seconds", workers=1, trigger=mpckpt.EveryNSeconds(0.05)) as ckpt:
+        time.sleep(0.1)  # more than 0.05 s since the checkpointer opened: due
+        assert ckpt.should_save(1) and ckpt.save(1, {"x": torch.ones(1)}) is not None
+    for bad in (5, "EveryNSteps(5)", mpckpt.KeepLast(1)):
+        with pytest.raises(ConfigError, match="trigger="):
+            mpckpt.Checkpointer(tmp_path / "bad", workers=1, trigger=bad)

@@ -130,6 +130,30 @@ def test_retention_policies_are_pure_and_combine():
             bad()
 
 
+def test_triggers_are_pure_and_combine():
+    from mpckpt.policies.triggers import Moment, Schedule
+
+    def at(step, last_step=None, last_time=0.0, now=0.0):
+        return Moment(step, last_step, last_time, now)
+
+    assert [mpckpt.EveryNSteps(4).due(at(s)) for s in range(9)] == [s % 4 == 0 for s in range(9)]
+    every_minute = mpckpt.EveryNSeconds(60)
+    assert not every_minute.due(at(1, now=59.9)) and every_minute.due(at(1, now=60.0))
+    assert every_minute.due(at(7, last_step=3, last_time=100.0, now=160.5))
+    either = mpckpt.EveryNSteps(10) | every_minute
+    assert either.due(at(10, now=1.0)) and either.due(at(11, now=61.0)) and not either.due(at(11, now=1.0))
+    assert repr(either | mpckpt.EveryNSteps(3)) == "EveryNSteps(10) | EveryNSeconds(60) | EveryNSteps(3)"
+    schedule = Schedule(every_minute, opened=1000.0)
+    assert not schedule.due(5, 1030.0) and schedule.due(5, 1060.0)
+    schedule.saved(5, 1060.0)
+    assert not schedule.due(6, 1100.0) and schedule.due(6, 1120.0)
+    assert Schedule(None, opened=0.0).due(1, 0.0)  # no trigger: always due
+    for bad in (lambda: mpckpt.EveryNSteps(0), lambda: mpckpt.EveryNSteps(2.5), lambda: mpckpt.EveryNSeconds(0),
+                lambda: mpckpt.EveryNSeconds(float("inf")), lambda: mpckpt.EveryNSteps(True)):
+        with pytest.raises(ConfigError):
+            bad()
+
+
 def test_flatten_keeps_int_keys_and_tuples_json_safe():
     flat = flatten({0: {"m": torch.ones(2)}, "betas": (0.9, 0.99), "lr": 1e-3})
     text = json.dumps(flat.tree, allow_nan=False)
