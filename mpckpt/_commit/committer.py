@@ -3,7 +3,8 @@
 For each record the ledger hands over (``Ledger.next_settled``, strictly in sequence order):
 
 * persisted: write the small files (the skeleton), build the manifest, and let the
-  coordinator publish it (``Coordinator.commit``: the manifest is written last). Then, in
+  coordinator publish it (``Coordinator.commit``: the manifest is written last), and log one
+  INFO line (step, MiB written, blocked ms, persist ms, MB/s). Then, in
   this order: the record's after-commit work (what later saves may reference, deleting the
   user's local folder after an upload), the retention policy's decision (the doomed
   checkpoints are forgotten at once, so nothing lists or references them again), the
@@ -72,6 +73,10 @@ class Committer:
                 self.ledger.mark_failed(record, e)
             else:
                 self.ledger.mark_committed(record, manifest)
+                stats = record.stats
+                log.info("mpckpt: committed step %d to %s: %.1f MiB written, blocked %.1f ms, persisted in %.1f ms "
+                         "(%.0f MB/s)", record.step, self.backend.url, stats.written_bytes / 2**20, stats.blocked_ms,
+                         stats.persist_ms, stats.mb_per_s)
                 for work in record.after_commit:
                     _run_quietly(work, record.step, "after committing")
                 doomed = self._apply_retention(record)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -98,3 +99,12 @@ def test_a_trigger_decides_which_saves_save(tmp_path):
     for bad in (5, "EveryNSteps(5)", mpckpt.KeepLast(1)):
         with pytest.raises(ConfigError, match="trigger="):
             mpckpt.Checkpointer(tmp_path / "bad", workers=1, trigger=bad)
+
+
+def test_every_commit_logs_one_info_line(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="mpckpt"), mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
+        ckpt.save(3, {"x": torch.ones(1 << 18)}, mode="sync")  # 1 MiB
+        ckpt.save(4, {"x": torch.ones(1 << 18)}, mode="sync")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpckpt" and r.levelno == logging.INFO]
+    assert [line.split(" to ")[0] for line in lines] == ["mpckpt: committed step 3", "mpckpt: committed step 4"]
+    assert all("MiB written" in line and "persisted in" in line and "MB/s" in line for line in lines)
