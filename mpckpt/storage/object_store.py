@@ -7,8 +7,9 @@ create-only put, the client set-up and the translation of its client's errors).
 Protocol (an object store has no rename, so nothing can be published by moving it):
 
 * ``staging_name(name)`` is ``name`` itself: data files are written straight to their final
-  keys, and there are no folders to create. It makes no request (it runs inside ``save()``
-  on the training thread), so it does not look for a manifest either: a taken name is
+  keys, and there are no folders to create (``prepare_staging`` does nothing). It makes no
+  request (it runs inside ``save()`` on the training thread), so it does not look for a
+  manifest either: a taken name is
   refused by ``commit`` alone. That is safe because the single-writer lease keeps other
   writers out and a writer never reuses a step it committed (steps only increase), so data
   files are never written under a committed checkpoint. Leftovers of a failed attempt are
