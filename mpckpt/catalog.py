@@ -133,16 +133,21 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
 
     Needs no model or optimizer objects and never writes. Every file is verified. A reader
     may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
-    while it is read is not damage; the newest one is looked up again.
+    while it is read, or between listing and reading its manifest, is not damage; the newest
+    one is looked up again.
     """
     backend = open_backend(spec_for_url(root, dict(storage_options or {})))
-    for _ in range(_LOAD_ATTEMPTS):
+    for attempt in range(_LOAD_ATTEMPTS):
         problems: dict[int, Exception] = {}
         committed = scan(backend, clean=False, problems=problems)
         chosen = max([*committed, *problems], default=None) if step is None else step
         if chosen in problems:  # say why the newest (or requested) one cannot be read
             raise problems[chosen]
         if chosen is None:
+            # A writer may have committed a newer one after the listing and deleted the one listed
+            # before its manifest was read: look again while there are checkpoint folders at all.
+            if attempt < _LOAD_ATTEMPTS - 1 and any(step_of(n) is not None for n in backend.list_names()):
+                continue
             raise CheckpointNotFoundError(f"no committed checkpoint in {backend.url}")
         if chosen not in committed:
             raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {backend.url}; "

@@ -35,6 +35,7 @@ import torch
 import mpckpt
 from mpckpt.errors import CorruptCheckpointError, MpckptError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
+from mpckpt.storage.local import LocalBackend
 from tests.conftest import assert_same
 
 REPO = Path(__file__).resolve().parents[2]
@@ -526,3 +527,26 @@ def test_a_nan_metric_never_wins(tmp_path):
     with mpckpt.Checkpointer(path, workers=1) as again:  # the same from what is on storage
         assert again.best(3, "loss") == [2, 0, 3]
         assert math.isnan(again.checkpoint(1).metrics["loss"])
+
+
+def test_load_looks_again_when_the_listed_checkpoint_goes_before_its_manifest_is_read(tmp_path, monkeypatch):
+    """The race a live keep_last=1 writer creates: ``load`` lists step_1, the writer commits step_2 and
+    deletes step_1, then ``load`` reads step_1's manifest. It must load step 2, not say "nothing"."""
+    root = tmp_path / "run"
+    with mpckpt.Checkpointer(root, workers=1) as ckpt:
+        ckpt.save(1, {"w": torch.full((4,), 1.0)}, mode="sync")
+    listed = LocalBackend.list_names
+    raced: list[bool] = []
+
+    def list_then_race(self):
+        names = listed(self)
+        if not raced:  # once: between this listing and the manifest read, a writer moves on
+            raced.append(True)
+            with mpckpt.Checkpointer(root, workers=1, keep_last=1) as writer:
+                writer.save(2, {"w": torch.full((4,), 2.0)}, mode="sync")
+            assert sorted(p.name for p in root.glob("step_*")) == ["step_0000000002"]
+        return names
+
+    monkeypatch.setattr(LocalBackend, "list_names", list_then_race)
+    assert torch.equal(mpckpt.load(root)["w"], torch.full((4,), 2.0))
+    assert raced == [True]
