@@ -41,24 +41,36 @@ def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
     """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts)."""
     wave = layout.waves[wave_index]
     views = _views(slab, layout, wave_index, wave)
-    sources = [leaf.source for leaf in flat.leaves]
+    sources = flat.sources
+    if only is None and not flat.on_cuda and wave.whole_leaves is not None:  # the common case, fast
+        torch._foreach_copy_(views, [sources[i] for i in wave.whole_leaves])
+        return
     if flat.on_cuda:
-        _copy_pieces(wave.copy_plan, views, sources, only, non_blocking=slab.pinned)
+        _copy_pieces(wave.copy_plan, views, sources, only, cuda=True, non_blocking=slab.pinned)
         torch.cuda.current_stream().synchronize()
     else:
-        _copy_pieces(wave.copy_plan, views, sources, only, non_blocking=False)
+        _copy_pieces(wave.copy_plan, views, sources, only, cuda=False, non_blocking=False)
 
 
 def _copy_pieces(plan: list[tuple[int, tuple[int, int] | None]], views: list[torch.Tensor], sources: list[torch.Tensor],
-                 only: Callable[[int], bool] | None, *, non_blocking: bool) -> None:
+                 only: Callable[[int], bool] | None, *, cuda: bool, non_blocking: bool) -> None:
     # INVARIANT: ``plan`` and ``views`` list the wave's pieces in the same order.
+    dsts, srcs = [], []
     for dst, (leaf, chunk) in zip(views, plan, strict=True):
         if only is not None and not only(leaf):
             continue
         src = sources[leaf]
         if chunk is not None:
             src = src.reshape(-1)[chunk[0]:chunk[1]]
-        dst.copy_(src, non_blocking=non_blocking)
+        dsts.append(dst)
+        srcs.append(src)
+    if cuda:  # device to host, asynchronous into page-locked slabs: one copy each, on the stream
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=non_blocking)
+    elif dsts:
+        # one call for the whole wave: with many small tensors the per-call cost of copy_
+        # from Python is as large as the copy itself
+        torch._foreach_copy_(dsts, srcs)
 
 
 # Extra state tensors (as multiples of the parameters' bytes) that one optimizer step creates.

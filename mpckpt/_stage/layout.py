@@ -69,6 +69,14 @@ class WavePlan:
             self.__dict__["_copy_plan"] = plan
         return plan
 
+    @property
+    def whole_leaves(self) -> list[int] | None:
+        """The leaf of every piece in slab-view order, when no piece is a chunk of a leaf."""
+        if "_whole_leaves" not in self.__dict__:
+            plan = self.copy_plan
+            self.__dict__["_whole_leaves"] = None if any(c is not None for _, c in plan) else [i for i, _ in plan]
+        return self.__dict__["_whole_leaves"]
+
 
 @dataclass
 class Layout:
@@ -91,7 +99,7 @@ def _pieces(leaves: list[Any], wave_cap: int) -> list[Piece]:
     out: list[Piece] = []
     for i, leaf in enumerate(leaves):
         itemsize = ITEMSIZE[leaf.code]
-        shape = tuple(leaf.source.shape)
+        shape = leaf.stored_shape
         nbytes = leaf.nbytes
         if nbytes <= wave_cap - SHARD_ALIGN:
             out.append(Piece(i, leaf.name, leaf.code, shape, None, nbytes))
@@ -117,7 +125,7 @@ def _balance(pieces: list[Piece], n_shards: int) -> list[list[Piece]]:
 
 def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int,
                 frozen: frozenset[int] = frozenset()) -> Layout:
-    """Assign every leaf (``.name``, ``.code``, ``.source``, ``.nbytes``) to waves and shards.
+    """Assign every leaf (``.name``, ``.code``, ``.stored_shape``, ``.nbytes``) to waves and shards.
 
     Leaves in ``frozen`` never share a shard with other leaves.
     """
@@ -182,7 +190,7 @@ class LayoutCache:
 
     def layout_for(self, flat: Any) -> Layout:
         """The layout of ``flat`` (a ``FlatState``), planned on first sight of its shape."""
-        key = (tuple([(leaf.name, leaf.code, leaf.source.shape) for leaf in flat.leaves]), flat.frozen)
+        key = flat.key
         layout = self._layouts.get(key)
         if layout is None:
             layout = plan_layout(flat.leaves, budget_bytes=self.budget_bytes, workers=self.workers,

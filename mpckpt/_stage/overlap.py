@@ -46,8 +46,8 @@ def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
                 visit(v)
 
     visit(state)
-    return {i for i, leaf in enumerate(flat.leaves)
-            if not leaf.raw and leaf.source.numel() and leaf.source.data_ptr() in ptrs}
+    return {i for i, (leaf, source) in enumerate(zip(flat.leaves, flat.sources, strict=True))
+            if not leaf.raw and leaf.nbytes and source.data_ptr() in ptrs}
 
 
 class BackgroundCopier:

@@ -30,7 +30,7 @@ from mpckpt._stage.copier import copy_wave
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
-from mpckpt._stage.snapshot import FlatState, flatten
+from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
@@ -51,6 +51,7 @@ class Snapshotter:
     stats: CheckpointerStats
     layouts: LayoutCache = field(init=False)
     frozen: FrozenShards = field(init=False)
+    memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
     _copier: BackgroundCopier | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class Snapshotter:
 
     def save(self, step: int, state: Any, metrics: dict[str, Any], *, overlap: bool) -> SaveFuture:
         """Snapshot ``state`` as checkpoint ``step``; the future resolves at its commit."""
-        flat = flatten(state, allow_pickle=self.config.allow_pickle)
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo)
         layout = self.layouts.layout_for(flat)
         stats = SaveStats(step, bytes=flat.nbytes)
         first = self.budget.take_first(layout) if layout.waves else None
@@ -104,7 +105,7 @@ class Snapshotter:
         for index in range(len(layout.waves)):
             slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
             assert slab is not None
-            copy_wave(flat, layout, index, slab, only=reuse.needs_copy)
+            copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves else None)
             self._submit_wave(record, layout, index, slab, reuse)
         self.ledger.all_submitted(record, snapshot_started=started)
 

@@ -21,6 +21,7 @@ into the tensor table), ``float`` (nan/inf), ``bytes``, ``dtype``, ``size``, ``d
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import pickle
 from dataclasses import dataclass
@@ -36,40 +37,38 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _KEY_TYPES = (str, int, float, bool, type(None))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class TensorLeaf:
-    """One tensor to store: its source (as written), and how to rebuild the original."""
+    """One tensor to store: how it is written, and how to rebuild the original."""
 
     name: str                     # safetensors key (derived from the first key path)
-    source: torch.Tensor          # what gets copied (real view for complex; uint8 for bases)
-    code: str                     # safetensors dtype code of ``source``
+    code: str                     # safetensors dtype code as written
     dtype: torch.dtype            # original dtype
     shape: tuple[int, ...]        # original shape
+    stored_shape: tuple[int, ...]  # shape as written (a real view of complex; bytes of a base)
+    nbytes: int
     raw: bool = False             # a byte range of a storage that several views share
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel() * self.source.element_size()
 
 
 @dataclass
 class FlatState:
     tree: Any
     leaves: list[TensorLeaf]
+    # what gets copied for each leaf: a view of the state's memory, never a copy
+    sources: list[torch.Tensor]
     # table rows in skeleton order; a row is either {"leaf": i} or {"view_of": i, ...}
     table: list[dict[str, Any]]
     # leaves that are parameters with requires_grad=False (frozen weights): they get shards
     # of their own, which later saves reference instead of rewriting while they are unchanged
     frozen: frozenset[int] = frozenset()
     on_cuda: bool = False  # any leaf lives on a CUDA device
+    nbytes: int = 0
+    # what a layout depends on (names, codes, shapes, frozen leaves): equal keys, equal layouts
+    key: tuple[Any, ...] = ()
 
     def versions(self, leaves: Any) -> tuple[tuple[int, int], ...]:
         """(address, in-place version counter) of each leaf: equal means unchanged."""
-        return tuple((self.leaves[i].source.data_ptr(), self.leaves[i].source._version) for i in leaves)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in self.leaves)
+        return tuple((self.sources[i].data_ptr(), self.sources[i]._version) for i in leaves)
 
 
 def _path(parent: str, key: Any) -> str:
@@ -77,13 +76,12 @@ def _path(parent: str, key: Any) -> str:
 
 
 class _Flattener:
+    """The walk: the skeleton tree, and every distinct tensor object (a *row*) in visit order."""
+
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
-        self.leaves: list[TensorLeaf] = []
-        self.table: list[dict[str, Any]] = []
-        self.names: set[str] = set()
-        # storage key -> list of (table row index, tensor)
-        self.by_storage: dict[tuple[int, int], list[tuple[int, torch.Tensor, str]]] = {}
+        self.rows: list[torch.Tensor] = []
+        self.paths: list[str] = []  # key path of each row's first appearance
         self.active: set[int] = set()
         self.frozen_ptrs: set[int] = set()
         self.rows_by_object: dict[int, int] = {}
@@ -154,23 +152,41 @@ class _Flattener:
         return {TAG: "pickle", "v": base64.b64encode(blob).decode()}
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
-        # Hot path (one call per tensor per save): cheap checks only, no detach, no storage
-        # object; the precise error message is built only when a check fails.
-        seen = self.rows_by_object.get(id(t))
-        if seen is not None:  # the same tensor object again: one table row, one object on load
-            return {TAG: "tensor", "id": seen}
-        if (type(t) not in _PLAIN_TENSORS or t.layout is not torch.strided or t.is_nested or t.is_meta
-                or not _dtypes.is_supported(t.dtype)):
-            self.reject(t, path)
-        row = len(self.table)
-        self.rows_by_object[id(t)] = row  # ids are stable: the state holds every tensor meanwhile
-        self.table.append({})
-        if t.numel() == 0:
-            self.table[row] = {"leaf": self.add_leaf(t, path)}
-        else:
-            base = t.data_ptr() - t.storage_offset() * t.element_size()
-            self.by_storage.setdefault((t.get_device(), int(base)), []).append((row, t, path))
+        # Hot path (one call per tensor per save): only note the tensor; checks and storage
+        # grouping happen once per state shape (``FlattenMemo``), not once per save.
+        row = self.rows_by_object.get(id(t))
+        if row is None:  # a tensor object seen before is one table row, one object on load
+            row = len(self.rows)
+            self.rows_by_object[id(t)] = row  # ids are stable: ``rows`` holds every tensor meanwhile
+            self.rows.append(t)
+            self.paths.append(path)
         return {TAG: "tensor", "id": row}
+
+
+class _Tabulator:
+    """The tensor table and the leaves of one walk's rows: checks, shared storage, names."""
+
+    def __init__(self) -> None:
+        self.leaves: list[TensorLeaf] = []
+        self.sources: list[torch.Tensor] = []
+        self.recipes: list[tuple[int, int, int, int]] = []  # per leaf: (row, how, start, length)
+        self.table: list[dict[str, Any]] = []
+        self.names: set[str] = set()
+        # storage key -> list of (table row index, tensor, path)
+        self.by_storage: dict[tuple[int, int], list[tuple[int, torch.Tensor, str]]] = {}
+
+    def tabulate(self, rows: list[torch.Tensor], paths: list[str]) -> None:
+        self.table = [{} for _ in rows]
+        for row, (t, path) in enumerate(zip(rows, paths, strict=True)):
+            if (type(t) not in _PLAIN_TENSORS or t.layout is not torch.strided or t.is_nested or t.is_meta
+                    or not _dtypes.is_supported(t.dtype)):
+                self.reject(t, path)
+            if t.numel() == 0:
+                self.table[row] = {"leaf": self.add_leaf(row, t, path)}
+            else:
+                base = t.data_ptr() - t.storage_offset() * t.element_size()
+                self.by_storage.setdefault((t.get_device(), int(base)), []).append((row, t, path))
+        self.resolve_shared()
 
     def reject(self, t: torch.Tensor, path: str) -> None:
         where = path or "<root>"
@@ -189,13 +205,17 @@ class _Flattener:
             )
         raise StateError(f"state key {where!r} has dtype {t.dtype}, which mpckpt cannot store", key=path)
 
-    def add_leaf(self, t: torch.Tensor, path: str, *, raw: bool = False) -> int:
+    def add_leaf(self, row: int, t: torch.Tensor, path: str, *, raw: bool = False) -> int:
         name = path or "tensor"
         while name in self.names:
             name += "_"
         self.names.add(name)
         source, code = (t, "U8") if raw else _dtypes.storage_view(t)
-        self.leaves.append(TensorLeaf(name, source, code, t.dtype, tuple(t.shape), raw))
+        nbytes = source.numel() * source.element_size()
+        how = _RAW if raw else (_DIRECT if source is t else _VIA_REAL)
+        self.recipes.append((row, how, int(source.storage_offset()) if raw else 0, nbytes))
+        self.leaves.append(TensorLeaf(name, code, t.dtype, tuple(t.shape), tuple(source.shape), nbytes, raw))
+        self.sources.append(source)
         return len(self.leaves) - 1
 
     def resolve_shared(self) -> None:
@@ -203,19 +223,17 @@ class _Flattener:
         for group in self.by_storage.values():
             first_row, first, path = group[0]
             if len(group) == 1:
-                self.table[first_row] = {"leaf": self.add_leaf(first, path)}
+                self.table[first_row] = {"leaf": self.add_leaf(first_row, first, path)}
                 continue
             sig = _view_signature(first)
             if all(_view_signature(t) == sig for _, t, _ in group):
-                leaf = self.add_leaf(first, path)
+                leaf = self.add_leaf(first_row, first, path)
                 for row, _, _ in group:
                     self.table[row] = {"leaf": leaf}
                 continue
             lo = min(t.storage_offset() * t.element_size() for _, t, _ in group)
             hi = max(_end_byte(t) for _, t, _ in group)
-            base = torch.empty(0, dtype=torch.uint8, device=first.device)
-            base.set_(first.untyped_storage(), int(lo), (int(hi - lo),), (1,))
-            leaf = self.add_leaf(base, f"{path}@storage", raw=True)
+            leaf = self.add_leaf(first_row, _byte_range(first, int(lo), int(hi - lo)), f"{path}@storage", raw=True)
             for row, t, _ in group:
                 self.table[row] = {
                     "view_of": leaf,
@@ -237,17 +255,115 @@ def _end_byte(t: torch.Tensor) -> int:
     return int((t.storage_offset() + last + 1) * t.element_size())
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
-    """Split ``state`` into a skeleton tree and the tensors to store; raises ``StateError``."""
+_DIRECT, _VIA_REAL, _RAW = 0, 1, 2  # how a leaf's source is made from its row's tensor
+
+
+def _byte_range(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Bytes ``start`` to ``start + length`` of ``t``'s storage as a uint8 tensor."""
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    base.set_(t.untyped_storage(), start, (length,), (1,))
+    return base
+
+
+def _row_signatures(rows: list[torch.Tensor]) -> list[tuple[Any, ...]] | None:
+    """What the table and leaves of ``rows`` depend on, per row; None if a row has no plain
+    strided memory (the full checks then say what is wrong with it).
+
+    Storage groups, shared byte ranges, views and frozen leaves are functions of these
+    figures alone (a storage's base address is ``data_ptr - storage_offset * itemsize``), so
+    equal signatures give an equal table whichever storage objects the addresses belong to now.
+    """
+    try:
+        if torch.cuda.is_available():
+            return [(type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset(), t.device)
+                    for t in rows]
+        return [(type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()) for t in rows]
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, ...: no strides
+        return None
+
+
+@dataclass
+class _Remembered:
+    signatures: list[tuple[Any, ...]]
+    paths: list[str]
+    frozen_ptrs: set[int]
+    flat: FlatState  # with its sources dropped: the memo keeps no tensor alive
+    recipes: list[tuple[int, int, int, int]]
+    direct_rows: list[int] | None  # when every leaf is its row's tensor as it is
+
+
+class FlattenMemo:
+    """What the last flatten of one checkpointer concluded about its tensors.
+
+    A training loop saves the same tensors again and again: the same storages, dtypes,
+    shapes and key paths, only new values. When a walk finds exactly that again, the checks,
+    storage grouping, names and layout key are reused and only the sources are rebound to
+    this walk's tensor objects (``state_dict()`` makes new ones each time), which keeps the
+    per-tensor cost of a repeated save near that of the walk itself.
+    """
+
+    def __init__(self) -> None:
+        self._last: _Remembered | None = None
+
+    def reuse(self, f: _Flattener, tree: Any) -> FlatState | None:
+        """The flat state of this walk from the memo, or None when anything differs."""
+        last = self._last
+        if last is None or len(f.rows) != len(last.signatures) or f.frozen_ptrs != last.frozen_ptrs:
+            return None
+        if _row_signatures(f.rows) != last.signatures or f.paths != last.paths:
+            return None
+        rows = f.rows
+        if last.direct_rows is not None:
+            sources = [rows[r] for r in last.direct_rows]
+        else:
+            sources = [_rebind(rows[row], how, start, length) for row, how, start, length in last.recipes]
+        flat = last.flat
+        return FlatState(tree, flat.leaves, sources, flat.table, flat.frozen, flat.on_cuda, flat.nbytes, flat.key)
+
+    def remember(self, f: _Flattener, tab: _Tabulator, flat: FlatState) -> None:
+        signatures = _row_signatures(f.rows)
+        if signatures is None:
+            self._last = None
+            return
+        direct = all(how == _DIRECT for _, how, _, _ in tab.recipes)
+        kept = dataclasses.replace(flat, tree=None, sources=[])
+        self._last = _Remembered(signatures, f.paths, f.frozen_ptrs, kept, tab.recipes,
+                                 [row for row, _, _, _ in tab.recipes] if direct else None)
+
+
+def _rebind(t: torch.Tensor, how: int, start: int, length: int) -> torch.Tensor:
+    if how == _DIRECT:
+        return t
+    if how == _VIA_REAL:
+        return _dtypes.storage_view(t)[0]
+    return _byte_range(t, start, length)
+
+
+def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None = None) -> FlatState:
+    """Split ``state`` into a skeleton tree and the tensors to store; raises ``StateError``.
+
+    With a ``memo`` (one per checkpointer), a state that has the same tensors as the last one
+    flattened skips the checks and grouping it already passed.
+    """
     if state is None:
         raise StateError("state is None; pass a dict such as {'model': model, 'optim': optimizer}")
     f = _Flattener(allow_pickle)
     tree = f.visit(state, "")
-    f.resolve_shared()
-    frozen = frozenset(i for i, leaf in enumerate(f.leaves)
-                       if f.frozen_ptrs and not leaf.raw and leaf.source.numel() and leaf.source.data_ptr() in f.frozen_ptrs)
-    on_cuda = any(leaf.source.is_cuda for leaf in f.leaves) if torch.cuda.is_available() else False
-    return FlatState(tree, f.leaves, f.table, frozen, on_cuda)
+    if memo is not None:
+        flat = memo.reuse(f, tree)
+        if flat is not None:
+            return flat
+    tab = _Tabulator()
+    tab.tabulate(f.rows, f.paths)
+    leaves, sources = tab.leaves, tab.sources
+    frozen = frozenset(i for i, leaf in enumerate(leaves)
+                       if f.frozen_ptrs and not leaf.raw and leaf.nbytes and sources[i].data_ptr() in f.frozen_ptrs)
+    on_cuda = any(source.is_cuda for source in sources) if torch.cuda.is_available() else False
+    key = (tuple([(leaf.name, leaf.code, leaf.stored_shape) for leaf in leaves]), frozen)
+    flat = FlatState(tree, leaves, sources, tab.table, frozen, on_cuda, sum(leaf.nbytes for leaf in leaves), key)
+    if memo is not None:
+        memo.remember(f, tab, flat)
+    return flat
 
 
 # -- the way back ----------------------------------------------------------------------------

@@ -199,8 +199,8 @@ def roundtrip_in_memory(state: Any) -> Any:
     text = json.dumps({"tree": flat.tree, "table": flat.table}, allow_nan=False)
     doc = json.loads(text)
     leaves = []
-    for leaf in flat.leaves:
-        stored = leaf.source.contiguous().clone()  # what the copier writes into a slab
+    for leaf, source in zip(flat.leaves, flat.sources, strict=True):
+        stored = source.contiguous().clone()  # what the copier writes into a slab
         leaves.append(stored if leaf.raw else _dtypes.from_stored(stored, leaf.dtype))
     return unflatten(doc["tree"], build_tensors(doc["table"], leaves))
 

@@ -44,7 +44,7 @@ def test_config_argument_beats_environment_beats_default():
 
 
 def _leaves(sizes):
-    return [types.SimpleNamespace(name=f"t{i}", code="F32", source=torch.empty(n), nbytes=4 * n)
+    return [types.SimpleNamespace(name=f"t{i}", code="F32", stored_shape=(n,), nbytes=4 * n)
             for i, n in enumerate(sizes)]
 
 
@@ -67,7 +67,7 @@ def test_layout_streams_a_state_larger_than_the_budget_in_waves():
 
 
 def test_layout_keeps_every_piece_aligned_to_its_element_size():
-    leaves = [types.SimpleNamespace(name=f"t{i}", code=code, source=torch.empty(n), nbytes=n * size)
+    leaves = [types.SimpleNamespace(name=f"t{i}", code=code, stored_shape=(n,), nbytes=n * size)
               for i, (code, size, n) in enumerate([("U8", 1, 3), ("F64", 8, 5), ("F16", 2, 7), ("F32", 4, 1)])]
     layout = _layout.plan_layout(leaves, budget_bytes=1 << 30, workers=1)
     for shard in layout.waves[0].shards:
