@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,8 @@ class Committer:
             self.backend.write_file(f"{record.staging}/{rel}", [data])
             files[rel] = FileEntry(len(data), checksum(data))
         manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics,
-                            format_version=format_version_for(record.kind), world_size=self.coordinator.world_size)
+                            format_version=format_version_for(record.kind), world_size=self.coordinator.world_size,
+                            figures=_figures(record))
         # INVARIANT: every data file is durable before the manifest is written (commit does it last).
         return self.coordinator.commit(record.staging, record.name, manifest)
 
@@ -123,6 +125,22 @@ class Committer:
         except Exception as e:  # the commit stands; retention failing must not stop commits
             log.warning("mpckpt: retention after step %d failed: %s", record.step, e)
             return []
+
+
+def _figures(record: Pending) -> dict[str, float | int | None]:
+    """What the save cost, as known just before its manifest is written (``mpckpt stats``).
+
+    persist_ms runs to this moment (the ledger's figure also counts the manifest's own write);
+    blocked_ms is None while the caller is still inside ``save``: mode=SYNC waits for this commit.
+    """
+    stats = record.stats
+    return {
+        "blocked_ms": round(stats.blocked_ms, 3) if stats.blocked_ms > 0 else None,
+        "snapshot_ms": round(stats.snapshot_ms, 3),
+        "persist_ms": round((time.perf_counter() - record.snapshot_done_at) * 1e3, 3),
+        "bytes": stats.bytes,
+        "written_bytes": stats.written_bytes,
+    }
 
 
 def _run_quietly(work: Callable[[], Any], step: int, doing: str) -> None:

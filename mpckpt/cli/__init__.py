@@ -1,29 +1,45 @@
-"""The ``mpckpt`` command: list, verify and clean up checkpoint folders.
+"""The ``mpckpt`` command: list, describe, verify, export and clean up checkpoint folders.
 
-    mpckpt ls ROOT              committed checkpoints with step, size, files and metrics;
-                                folders that cannot be read are listed as damaged
+    mpckpt ls ROOT [--json]     committed checkpoints with step, commit time, size, files and
+                                metrics; folders that cannot be read are listed as damaged
+    mpckpt info ROOT STEP       one checkpoint: its tensors by dotted state path (dtype, shape,
+                                bytes, shard), its other values, or a directory's files
     mpckpt verify ROOT [--step] check that checkpoints would load: every file's size and
                                 checksum, the skeleton and every shard header
+    mpckpt export ROOT STEP --to FILE.safetensors|FILE.pt [--prefix model.]
+                                the state's tensors by dotted path in one safetensors file, or
+                                the nested state torch.save'd; never replaces a file unless --force
+    mpckpt stats ROOT [--plot FILE.png]
+                                what each save cost (blocked, persist, bytes, MB/s), as recorded
+                                in its manifest
     mpckpt gc [ROOT ...]        remove shared memory of dead trainers, and staging and
                                 manifest-less folders under each ROOT (takes the writer lock,
                                 so it refuses while a live trainer writes there); never
                                 removes a folder that has a manifest, damaged or not
 
-Exit status: 0 on success; 1 when a root cannot be read, a checkpoint does not verify or a
-folder is damaged, or a root is locked. Everything printed that comes from storage (file
-names, metrics, error messages quoting them) has its control characters escaped, so a
-hostile manifest cannot drive the terminal.
+``--json`` (ls, info, stats) prints one JSON document instead of the table. Every ROOT is a
+path or any URL a Checkpointer takes (``--storage-options`` for credentials and endpoints).
 
-This module owns the argument parser and the dispatch; ``ls``, ``verify`` and ``gc`` each
-own one command (a ``run(args) -> int``), and ``_common`` what they share: the escaping,
-opening a root, and turning an ``MpckptError`` into exit status 1.
+Exit status: 0 on success; 1 when a root cannot be read, a checkpoint does not verify or a
+folder is damaged, or a root is locked; 2 on bad arguments: what argparse refuses, a step
+that is not there (info, export: the message names the steps there are), an export target
+that exists (without --force) or has an unknown suffix, a prefix that names nothing,
+--storage-options that is not JSON. ``verify --step`` of a step that is not there is a
+failed check: 1. Everything printed that comes from storage (file names, metrics, error
+messages quoting them) has its control characters escaped, so a hostile manifest cannot
+drive the terminal.
+
+This module owns the argument parser and the dispatch; each command is one module with a
+``run(args) -> int`` (``ls``, ``info``, ``verify``, ``export``, ``stats``, ``gc``), and
+``_common`` holds what they share: the escaping, opening a root, finding a step, turning an
+``MpckptError`` into exit status 1 (``BadArguments``: 2), times, sizes and dotted paths.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mpckpt.cli import gc, ls, verify
+from mpckpt.cli import export, gc, info, ls, stats, verify
 from mpckpt.cli._common import exit_status, route_library_log
 
 __all__ = ["main"]
@@ -35,15 +51,47 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", help="list committed checkpoints")
     p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
     p.set_defaults(fn=ls.run)
+    p = sub.add_parser("info", help="the tensors and values of one checkpoint (no tensor data read)")
+    p.add_argument("root")
+    p.add_argument("step", type=_step)
+    p.add_argument("--json", action="store_true", help="one JSON object: tensors, values, files")
+    p.set_defaults(fn=info.run)
     p = sub.add_parser("verify", help="check that checkpoints would load")
     p.add_argument("root")
-    p.add_argument("--step", type=int)
+    p.add_argument("--step", type=_step)
     p.set_defaults(fn=verify.run)
+    p = sub.add_parser("export", help="write one checkpoint's state to a .safetensors or .pt file")
+    p.add_argument("root")
+    p.add_argument("step", type=_step)
+    p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt")
+    p.add_argument("--prefix", metavar="PATH", help="export only this part of the state (e.g. model.), "
+                   "the prefix stripped from every name")
+    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--copy-tied", action="store_true", help="write every name of a tied tensor with its own "
+                   "copy (default: keep the first, list the others in the metadata, as safetensors does)")
+    p.add_argument("--allow-pickle", action="store_true", help="load pickled values (runs code from storage)")
+    p.set_defaults(fn=export.run)
+    p = sub.add_parser("stats", help="what each save cost: blocked ms, persist ms, bytes, MB/s")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
+    p.set_defaults(fn=stats.run)
     p = sub.add_parser("gc", help="remove orphaned shared memory and incomplete folders")
     p.add_argument("roots", nargs="*")
     p.set_defaults(fn=gc.run)
     return parser
+
+
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer)") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer)")
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,10 @@ always written last (see ``mpckpt.storage.base``).
 
 A file may live in an earlier checkpoint's folder (``ref``): unchanged tensors are then
 referenced, not written again. Retention never deletes a folder still referenced.
+
+``figures`` (optional) is what the save cost, as the committer measured it (``mpckpt
+stats``). Optional keys like it do not change the format version: every mpckpt ignores keys
+it does not know (the checksum covers them all), and a manifest without them still loads.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ FORMAT_VERSION = 2  # the newest this mpckpt reads; see ``format_version_for``
 CHECKSUM_ALGO = "xxh3_64"
 KINDS = ("state", "directory")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
+# what a save cost, each a number or null (blocked_ms: the save had not returned yet when
+# the manifest was written, as with mode=SYNC, which waits for this very commit)
+FIGURES = ("blocked_ms", "snapshot_ms", "persist_ms", "bytes", "written_bytes")
 
 
 def format_version_for(kind: str) -> int:
@@ -75,6 +82,7 @@ class Manifest:
     created_unix: float = field(default_factory=time.time)
     world_size: int = 1
     format_version: int = FORMAT_VERSION
+    figures: dict[str, float | int | None] | None = None  # see FIGURES; None: not recorded
 
     @property
     def user_prefix(self) -> str:
@@ -103,6 +111,8 @@ class Manifest:
             "metrics": _json_safe_metrics(self.metrics),
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
+        if self.figures is not None:
+            body["figures"] = dict(self.figures)
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         body["manifest_checksum"] = checksum(canonical.encode())
         return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
@@ -157,6 +167,7 @@ class Manifest:
                 created_unix=float(body["created_unix"]),
                 world_size=int(body.get("world_size", 1)),
                 format_version=version,
+                figures=_figures(body.get("figures")),
             )
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: manifest is malformed ({str(e)[:200]})", path=path) from e
@@ -173,6 +184,20 @@ def _metrics(raw: Any) -> dict[str, Any]:
         if isinstance(v, str) and v in ("nan", "inf", "-inf"):
             v = float(v)
         out[k] = v
+    return out
+
+
+def _figures(raw: Any) -> dict[str, float | int | None] | None:
+    """The known figures, each a finite number or None; anything else is dropped (they are only shown)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("figures is not an object")
+    out: dict[str, float | int | None] = {}
+    for key in FIGURES:
+        v = raw.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        out[key] = v if ok else None
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
@@ -14,7 +15,7 @@ from mpckpt._stage import layout as _layout
 from mpckpt._stage.snapshot import flatten
 from mpckpt.config import BudgetPolicy, Config, parse_bytes
 from mpckpt.errors import ConfigError, CorruptCheckpointError
-from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, step_of
+from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum, step_of
 from mpckpt.format.safetensors import HeaderEntry, build_header, parse_header
 from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan
 
@@ -100,6 +101,23 @@ def test_manifest_round_trip_and_tamper_detection():
         Manifest.from_bytes(json.dumps(body).encode(), path="m")
     with pytest.raises(CorruptCheckpointError, match="torn"):
         Manifest.from_bytes(data[: len(data) // 2], path="m")
+
+
+def test_manifest_figures_are_optional_and_only_numbers():
+    plain = Manifest(step=3, seq=1, kind="state", files={}, created_unix=5.0)
+    assert "figures" not in json.loads(plain.to_bytes())  # a manifest without them is as before
+    assert Manifest.from_bytes(plain.to_bytes(), path="m").figures is None
+    figures = {"blocked_ms": 1.5, "snapshot_ms": 1.0, "persist_ms": 20.25, "bytes": 100, "written_bytes": 90}
+    back = Manifest.from_bytes(dataclasses.replace(plain, figures=figures).to_bytes(), path="m")
+    assert back.figures == figures and back.format_version == plain.format_version  # no new version for it
+    odd = dataclasses.replace(plain, figures={"blocked_ms": None, "persist_ms": "fast", "bytes": True, "x": 1})
+    assert Manifest.from_bytes(odd.to_bytes(), path="m").figures == dict.fromkeys(figures)
+    body = json.loads(plain.to_bytes())
+    del body["manifest_checksum"]
+    body["figures"] = [1]
+    body["manifest_checksum"] = checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="figures"):
+        Manifest.from_bytes(json.dumps(body).encode(), path="m")
 
 
 def test_checkpoint_names():

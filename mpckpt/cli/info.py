@@ -1,0 +1,197 @@
+"""``mpckpt info ROOT STEP [--json]``: what one checkpoint holds, without reading its tensors.
+
+For a state: every tensor under its dotted state path (``model.0.weight``, the key ``export``
+writes it under) with dtype, shape, bytes and the shard file(s) holding it, tensors that
+share storage (tied weights) marked; then every other value (``path = value``, shortened;
+a pickled value is named, never unpickled). For a directory checkpoint: its files.
+
+Only the manifest and the skeleton are read (the skeleton's checksum is checked); the shards
+are not: ``mpckpt verify`` reads every byte. The skeleton is interpreted by the loader's own
+code (``build_tensors``, ``unflatten``) around meta tensors, so the names are those a load
+gives, with no tensor data read; this module owns only the display. A damaged step or a
+skeleton that does not parse is status 1, a step that is not there 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mpckpt.cli._common import (
+    backend_for,
+    committed_step,
+    iso_time,
+    say,
+    say_json,
+    shorten,
+    size_text,
+    state_items,
+    total_bytes,
+)
+from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
+
+# what a damaged or forged skeleton can make its interpretation raise
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError, RuntimeError)
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    shards: list[str]            # where its bytes are, relative to the root
+    shares: str | None = None    # the first tensor listed that shares its storage (tied weights)
+
+
+@dataclass
+class ValueInfo:
+    name: str
+    type: str
+    value: Any                   # JSON-native, or the shortened repr
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = backend_for(args.root, args.storage_options)
+    manifest = committed_step(backend, args.step)
+    name = checkpoint_name(args.step)
+    tensors: list[TensorInfo] = []
+    values: list[ValueInfo] = []
+    stored = 0
+    if manifest.kind == "state":
+        tensors, values, stored = describe(_read_skeleton(backend, name, manifest), manifest, name)
+    files = [{"path": path, "bytes": manifest.files[rel].size, "location": manifest.location(name, rel)}
+             for path, rel in sorted(manifest.user_files().items())] if manifest.kind == "directory" else []
+    if args.json:
+        say_json({"step": manifest.step, "time": iso_time(manifest.created_unix), "kind": manifest.kind,
+                  "bytes": total_bytes(manifest), "tensor_bytes": stored, "metrics": manifest.metrics,
+                  "tensors": [asdict(t) for t in tensors], "values": [asdict(v) for v in values], "files": files})
+        return 0
+    say(f"step {manifest.step}: {manifest.kind}, committed {iso_time(manifest.created_unix)}, "
+        f"{len(manifest.files)} files, {size_text(total_bytes(manifest))}, metrics {json.dumps(manifest.metrics)}")
+    if manifest.kind == "state":
+        _say_tensors(tensors, stored)
+        say(f"values: {len(values)}")
+        for v in values:
+            say(f"  {v.name} = {v.value if isinstance(v.value, str) and v.type != 'str' else json.dumps(v.value)}")
+    else:
+        say(f"files: {len(files)}")
+        for f in files:
+            say(f"  {f['path']}  {f['bytes']} bytes")
+    return 0
+
+
+def _say_tensors(tensors: list[TensorInfo], stored_bytes: int) -> None:
+    say(f"tensors: {len(tensors)} ({size_text(stored_bytes)}; storage they share counted once)")
+    if not tensors:
+        return
+    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "SHARD")]
+    rows += [(t.name, t.dtype, str(t.shape), str(t.bytes),
+              ", ".join(t.shards) + (f"  (same storage as {t.shares})" if t.shares else "")) for t in tensors]
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(4)]
+    for r in rows:
+        say("  " + "  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]),
+                              r[3].rjust(widths[3]), r[4]]))
+
+
+def _read_skeleton(backend: Any, name: str, manifest: Manifest) -> Any:
+    """The skeleton document, its size bounded and its checksum checked."""
+    from mpckpt.restore import MAX_SKELETON_BYTES, SKELETON_VERSION, read_verified
+
+    where = f"{name}/{SKELETON_NAME}"
+    entry = manifest.files.get(SKELETON_NAME)
+    if entry is None:
+        raise CorruptCheckpointError(f"{name}: the manifest lists no {SKELETON_NAME}", path=where)
+    if entry.size > MAX_SKELETON_BYTES:
+        raise CorruptCheckpointError(f"{where}: {entry.size} bytes, more than a skeleton may have; not read", path=where)
+    try:
+        doc = json.loads(read_verified(backend, name, manifest, SKELETON_NAME))
+        version = doc["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version > SKELETON_VERSION:
+            raise ValueError(f"version {str(version)[:40]!r} is not one this mpckpt reads")
+    except _MALFORMED as e:
+        raise CorruptCheckpointError(f"{where}: malformed ({str(e)[:300]})", path=where) from e
+    return doc
+
+
+def describe(doc: Any, manifest: Manifest, name: str) -> tuple[list[TensorInfo], list[ValueInfo], int]:
+    """The tensors and the other values of a skeleton, in state order, by dotted path, and the
+    bytes of tensor data stored (storage that tensors share counted once).
+
+    The tree is rebuilt by the loader's own ``unflatten`` (every node checked, nothing
+    unpickled, no class imported) around meta tensors: no tensor data is read or allocated.
+    """
+    import torch
+
+    from mpckpt import _dtypes
+    from mpckpt._stage.snapshot import build_tensors, unflatten
+
+    where = f"{name}/{SKELETON_NAME}"
+    try:
+        specs, table = doc["leaves"], doc["table"]
+        metas = [torch.empty(spec["shape"], dtype=_dtypes.dtype_from_name(spec["dtype"]), device="meta")
+                 for spec in specs]
+        shards = [list(dict.fromkeys(str(part[0]) for part in spec["parts"])) for spec in specs]
+        rows = build_tensors(table, metas)
+        leaf_of: dict[int, int] = {}  # tensor object -> index of the leaf whose bytes it is
+        for row, tensor in zip(table, rows, strict=True):
+            leaf_of.setdefault(id(tensor), row["leaf"] if "leaf" in row else row["view_of"])
+        state = unflatten(_mark_pickles(doc["tree"]), rows, check_only=True)
+        items = list(state_items(state, whole=_plain_sequence))
+    except (CorruptCheckpointError, *_MALFORMED) as e:
+        raise CorruptCheckpointError(f"{where}: malformed ({str(e)[:300]})", path=where) from e
+    tensors: list[TensorInfo] = []
+    values: list[ValueInfo] = []
+    first_of_leaf: dict[int, str] = {}
+    for path, value in items:
+        label = path or "<root>"
+        if not isinstance(value, torch.Tensor):
+            values.append(_value(label, value))
+            continue
+        leaf = leaf_of.get(id(value), -1)
+        first = first_of_leaf.setdefault(leaf, label)
+        tensors.append(TensorInfo(
+            label, str(value.dtype).removeprefix("torch."), list(value.shape), value.numel() * value.element_size(),
+            [manifest.location(name, s) if s in manifest.files else s for s in (shards[leaf] if leaf >= 0 else [])],
+            None if first == label or leaf < 0 else first))
+    return tensors, values, sum(m.numel() * m.element_size() for m in metas)
+
+
+class _Pickled:
+    """Stands in for a pickled value: it is named, never unpickled."""
+
+    def __init__(self, encoded: Any) -> None:
+        self.nbytes = len(encoded) * 3 // 4 if isinstance(encoded, str) else 0
+
+    def __repr__(self) -> str:
+        return f"<pickled value of {self.nbytes} bytes, not unpickled>"
+
+
+def _mark_pickles(node: Any) -> Any:
+    """The tree with each pickle node replaced by a ``_Pickled`` (``unflatten`` passes it through)."""
+    from mpckpt._stage.snapshot import TAG
+
+    if isinstance(node, list):
+        return [_mark_pickles(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get(TAG) == "pickle":
+        return _Pickled(node.get("v"))
+    return {k: _mark_pickles(v) for k, v in node.items()}
+
+
+def _plain_sequence(node: Any) -> bool:
+    """A list or tuple of plain values is one value (an optimizer's ``params``: ``[0, 1, 2]``)."""
+    return isinstance(node, (list, tuple)) and not hasattr(node, "_fields") and all(
+        x is None or isinstance(x, (bool, int, float, str)) for x in node)
+
+
+def _value(label: str, value: Any) -> ValueInfo:
+    native = value is None or isinstance(value, (bool, int, str)) or isinstance(value, float) and math.isfinite(value)
+    shown = shorten(value, 200) if isinstance(value, str) else value if native else shorten(repr(value))
+    kind = "pickle" if isinstance(value, _Pickled) else type(value).__name__
+    return ValueInfo(label, kind, shown)
