@@ -128,8 +128,13 @@ class Catalog:
 
 
 def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False,
-         storage_options: Mapping[str, Any] | None = None) -> Any:
+         storage_options: Mapping[str, Any] | None = None, classes: bool = True) -> Any:
     """The plain nested state (dicts of tensors) of the latest committed checkpoint, or ``step``.
+
+    Values come back as they were saved (numpy arrays, namedtuples, dataclasses, Enum members
+    ...). With ``classes=False`` namedtuples and dataclasses come back as dicts of their fields
+    and Enum members as their names, without importing their classes: a checkpoint whose
+    classes were renamed or removed still loads.
 
     Needs no model or optimizer objects and never writes. Every file is verified. A reader
     may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
@@ -154,7 +159,7 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
                                           f"committed steps: {sorted(committed)[-10:]}")
         name = checkpoint_name(chosen)
         try:
-            return load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle)
+            return load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle, classes=classes)
         except MpckptError as e:
             if _still_committed(backend, name):
                 raise

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from mpckpt._apply import apply_state
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._runtime import Runtime, caller_location, finalizer_for
 from mpckpt._stage.copier import estimate_state_bytes
@@ -45,7 +46,7 @@ from mpckpt.errors import (
 from mpckpt.format.manifest import checkpoint_name
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.policies.triggers import Trigger
-from mpckpt.restore import apply_state, load_checkpoint
+from mpckpt.restore import load_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
@@ -87,6 +88,7 @@ class Checkpointer:
                            owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
                            pin=_cuda_available())
         self._finalizer = finalizer_for(self, self._rt)
+        self._warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -159,6 +161,8 @@ class Checkpointer:
         metrics = _check_metrics(metrics)
         now = time.monotonic()
         if not force and not self._rt.schedule.due(step, now):
+            if not self._warmed:
+                self._warm_in_background(state)
             return None
         self.snapshot_barrier()
         overlap = self.config.overlap if overlap is None else bool(overlap)
@@ -271,13 +275,27 @@ class Checkpointer:
         ``restore`` calls this for you. Returns the bytes reserved.
         """
         self._check_usable()
-        flat = flatten(state, allow_pickle=self.config.allow_pickle)
-        need = estimate_state_bytes(state, flat)
-        need = min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
+        need = self._slab_bytes_for(state)
         # two slabs: the first save's, and the spare the next save uses while it uploads
         assert self._rt.arena is not None
         self._rt.arena.reserve(need, count=2)
+        self._warmed = True
         return need
+
+    def _slab_bytes_for(self, state: Any) -> int:
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self._rt.saver.memo)
+        return min(int(estimate_state_bytes(state, flat) * 1.02) + (4 << 20), self.config.memory_budget_bytes)
+
+    def _warm_in_background(self, state: Any) -> None:
+        """The first ``save`` a trigger says is not due: make the first slab in the background.
+
+        Creating and touching shared memory is most of a first save that nobody prepared
+        for (the kernel allocates every page); a loop with a trigger shows its state long
+        before the first due step, so that work runs beside training instead.
+        """
+        self._warmed = True
+        assert self._rt.arena is not None
+        self._rt.arena.ensure_spare(self._slab_bytes_for(state))
 
     # -- reading ----------------------------------------------------------------------------------
     @property
@@ -302,19 +320,24 @@ class Checkpointer:
         name = checkpoint_name(manifest.step)
         return Checkpoint(f"{self.url}/{name}", _stored=(self._rt.backend, name, manifest))
 
-    def load(self, step: int | None = None) -> Any:
-        """The plain nested state of a committed checkpoint (default: the latest)."""
+    def load(self, step: int | None = None, *, classes: bool = True) -> Any:
+        """The plain nested state of a committed checkpoint (default: the latest).
+
+        ``classes=False``: namedtuples and dataclasses as dicts, Enum members as names (see ``mpckpt.load``).
+        """
         ckpt = self.checkpoint(step)
         assert ckpt._stored is not None
         backend, name, manifest = ckpt._stored
-        return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle)
+        return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
 
-    def restore(self, state: Any, *, step: int | None = None, fallback: bool = False) -> int | None:
+    def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True) -> int | None:
         """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
 
         Returns the restored step, or None when there is no checkpoint yet. With ``fallback``,
         a checkpoint that does not verify is skipped for the newest older one that does.
-        Also warms shared memory for saving ``state``.
+        ``strict`` (as ``torch.nn.Module.load_state_dict``): keys of ``state`` that the
+        checkpoint lacks, or the reverse, raise a ``StateError`` naming them; ``strict=False``
+        restores the keys that match and leaves the rest. Also warms shared memory for saving ``state``.
         """
         self._check_usable()
         candidates = [step] if step is not None else sorted({*self.steps(), *self._rt.damaged}, reverse=True)
@@ -329,7 +352,7 @@ class Checkpointer:
                     raise
                 log.warning("mpckpt: step %s does not verify, trying an older one: %s", candidate, e)
                 continue
-            apply_state(state, loaded)
+            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
             restored = candidate
             break
         else:

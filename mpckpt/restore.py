@@ -1,4 +1,4 @@
-"""Read, verify and load checkpoints; put loaded values back into live objects.
+"""Read, verify and load checkpoints (``_apply`` puts a loaded state back into live objects).
 
 Loading never trusts storage: every file's size and xxh3 checksum is checked against the
 manifest (which carries a checksum of its own), every safetensors header is validated
@@ -46,7 +46,7 @@ import xxhash
 from mpckpt import _dtypes
 from mpckpt._stage.snapshot import build_tensors, unflatten
 from mpckpt.config import progress_enabled
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StateError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
 from mpckpt.storage import Backend
@@ -349,24 +349,24 @@ def _read_skeleton(backend: Backend, name: str, manifest: Manifest) -> _Skeleton
 
 
 def _build(name: str, skeleton: _Skeleton, leaves: list[torch.Tensor], *, allow_pickle: bool,
-           check_only: bool = False) -> Any:
+           check_only: bool = False, classes: bool = True) -> Any:
     try:
         tensors = build_tensors(skeleton.table, leaves)
-        return unflatten(skeleton.tree, tensors, allow_pickle=allow_pickle, check_only=check_only)
+        return unflatten(skeleton.tree, tensors, allow_pickle=allow_pickle, check_only=check_only, classes=classes)
     except CorruptCheckpointError as e:
         raise _skeleton_error(name, "malformed", e) from e
 
 
 def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False,
-                    threads: int = 8) -> Any:
-    """The plain nested state of checkpoint ``name``, every file verified."""
+                    threads: int = 8, classes: bool = True) -> Any:
+    """The plain nested state of checkpoint ``name``, every file verified (``classes``: see ``unflatten``)."""
     if manifest.kind != "state":
         raise ConfigError(
             f"{name} is a directory checkpoint (files you wrote); read it with Checkpointer.checkpoint(step).as_directory()"
         )
     skeleton = _read_skeleton(backend, name, manifest)
     leaves = _read_leaves(backend, name, manifest, skeleton.leaves, skeleton.shard_names, threads=threads)
-    return _build(name, skeleton, leaves, allow_pickle=allow_pickle)
+    return _build(name, skeleton, leaves, allow_pickle=allow_pickle, classes=classes)
 
 
 def verify_checkpoint(backend: Backend, name: str, manifest: Manifest) -> None:
@@ -383,32 +383,3 @@ def verify_checkpoint(backend: Backend, name: str, manifest: Manifest) -> None:
         _build(name, skeleton, leaves, allow_pickle=False, check_only=True)
     for rel in manifest.files:
         stream_verified(backend, name, manifest, rel)
-
-
-def apply_state(target: Any, loaded: Any, path: str = "") -> Any:
-    """Load ``loaded`` into ``target`` in place where possible; return what ``target`` becomes."""
-    where = path or "<root>"
-    if isinstance(target, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor):
-            raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a tensor", key=path)
-        if target.shape != loaded.shape:
-            raise StateError(f"state key {where!r}: shape {tuple(loaded.shape)} in the checkpoint, "
-                             f"{tuple(target.shape)} in memory", key=path)
-        with torch.no_grad():
-            target.copy_(loaded)
-        return target
-    if isinstance(target, dict):
-        if not isinstance(loaded, dict):
-            raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a dict", key=path)
-        for k, v in loaded.items():
-            target[k] = apply_state(target[k], v, f"{path}.{k}" if path else str(k)) if k in target else v
-        return target
-    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
-        for i, v in enumerate(loaded):
-            target[i] = apply_state(target[i], v, f"{path}.{i}" if path else str(i))
-        return target
-    load_state_dict = getattr(target, "load_state_dict", None)
-    if callable(load_state_dict) and not isinstance(target, type):
-        load_state_dict(loaded)
-        return target
-    return loaded

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import decimal
+import fractions
 import hashlib
 import json
 import os
 import struct
 import threading
 
+import numpy
 import pytest
 import torch
 
@@ -35,13 +40,31 @@ class Opaque:
     pass
 
 
+def _local_dataclass() -> object:
+    @dataclasses.dataclass
+    class Local:
+        x: int = 1
+
+    return Local()
+
+
+class _OtherZone(datetime.tzinfo):
+    def utcoffset(self, dt: object) -> datetime.timedelta:
+        return datetime.timedelta(hours=1)
+
+
 def _quantized() -> torch.Tensor:
     return torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
 
 
 BAD_STATES = [
     ("object", lambda: {"x": Opaque()}, StateError, "x"),
-    ("set", lambda: {"x": {1, 2}}, StateError, "x"),
+    ("set of objects", lambda: {"x": {1, Opaque()}}, StateError, r"x\.\d.*Opaque"),
+    ("decimal", lambda: {"d": decimal.Decimal("1.5")}, StateError, r"'d'.*Decimal.*float\(\)"),
+    ("local dataclass", lambda: {"cfg": _local_dataclass()}, StateError, r"'cfg'.*inside a function.*asdict"),
+    ("object array", lambda: {"a": numpy.array([None, 1])}, StateError, r"'a'.*dtype object.*tolist"),
+    ("other tzinfo", lambda: {"t": datetime.datetime(2024, 1, 1, tzinfo=_OtherZone())}, StateError,
+     r"'t'.*_OtherZone.*datetime\.timezone"),
     ("lambda", lambda: {"fn": lambda: 1}, StateError, "fn"),
     ("sparse", lambda: {"s": torch.eye(3).to_sparse()}, StateError, "s.*to_dense"),
     ("meta", lambda: {"m": torch.empty(3, device="meta")}, StateError, "m.*meta"),
@@ -275,7 +298,10 @@ def test_skeleton_cannot_smuggle_a_pickle(tmp_path):
 
 def test_pickle_only_when_opted_in(tmp_path):
     with mpckpt.Checkpointer(tmp_path, workers=1, allow_pickle=True) as ckpt:
-        ckpt.save(0, {"obj": {1, 2, 3}}, mode="sync")
+        ckpt.save(0, {"obj": fractions.Fraction(1, 3), "set": {1, 2, 3}}, mode="sync")
     with pytest.raises(StateError, match="allow_pickle"):
         mpckpt.load(tmp_path)
-    assert mpckpt.load(tmp_path, allow_pickle=True)["obj"] == {1, 2, 3}
+    loaded = mpckpt.load(tmp_path, allow_pickle=True)
+    assert loaded == {"obj": fractions.Fraction(1, 3), "set": {1, 2, 3}}
+    skeleton = (tmp_path / "step_0000000000" / "skeleton.json").read_text()
+    assert skeleton.count('"pickle"') == 1  # the set is stored as itself even so

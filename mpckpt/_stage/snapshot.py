@@ -1,10 +1,11 @@
 """Flatten a training state into a JSON skeleton plus a table of tensors, and back.
 
 What a state may hold: dicts (keys: str, int, float, bool, None), lists, tuples, tensors,
-None, bool, int, float, str, bytes, torch.dtype / torch.Size / torch.device, and objects
-with ``state_dict()`` (modules, optimizers, schedulers), which are replaced by what that
-returns. Anything else is refused with a ``StateError`` naming the key, unless the caller
-opted in to pickle (``allow_pickle=True``).
+None, bool, int, float, str, bytes, torch.dtype / torch.Size / torch.device, the values
+``values`` stores (numpy arrays and scalars, namedtuples, dataclasses, Enum members, sets,
+OrderedDicts, pathlib paths, datetime values), and objects with ``state_dict()`` (modules,
+optimizers, schedulers), which are replaced by what that returns. Anything else is refused
+with a ``StateError`` naming the key, unless the caller opted in to pickle (``allow_pickle=True``).
 
 Tensors that share storage stay shared: identical views are stored once and come back as
 one tensor; different views of one storage are stored as one byte range of that storage
@@ -15,7 +16,9 @@ Skeleton node encoding (JSON): lists are JSON arrays; str/int/bool/None and fini
 are themselves; every other node is an object ``{"__mpckpt__": tag, ...}`` with tag one of
 ``dict`` (parallel ``k``/``v`` arrays, so int keys stay ints), ``tuple``, ``tensor`` (``id``
 into the tensor table), ``float`` (nan/inf), ``bytes``, ``dtype``, ``size``, ``device``,
-``pickle``.
+``pickle``, and those of ``values``: ``ndarray``, ``npscalar``, ``namedtuple``,
+``dataclass``, ``enum``, ``set``, ``frozenset``, ``odict``, ``path``, ``datetime``,
+``date``, ``time``, ``timedelta``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
+from mpckpt._stage import values as _values
 from mpckpt.errors import CorruptCheckpointError, StateError
 
 TAG = "__mpckpt__"
@@ -85,10 +89,15 @@ class _Flattener:
         self.active: set[int] = set()
         self.frozen_ptrs: set[int] = set()
         self.rows_by_object: dict[int, int] = {}
+        self.made: dict[int, Any] = {}  # id(value) -> what values.encode made of it (held for the save)
 
     def visit(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
+        if type(value) not in _values.PLAIN:  # first: IntEnum, numpy.float64, OrderedDict keep their type
+            node = _values.encode(self, value, path)
+            if node is not NotImplemented:
+                return node
         if value is None or isinstance(value, (bool, int, str)):
             return value
         if isinstance(value, float):
@@ -141,7 +150,8 @@ class _Flattener:
         if not self.allow_pickle:
             raise StateError(
                 f"state key {where!r} holds a {type(value).__module__}.{type(value).__qualname__}, which mpckpt "
-                "cannot store as tensors or JSON; convert it to tensors/plain values, or pass allow_pickle=True "
+                "cannot store as tensors or JSON; convert it to tensors or plain values (e.g. int() / float() / "
+                "str(), dataclasses.asdict(), .tolist(), .state_dict()), or pass allow_pickle=True "
                 "(loading it will then run pickle)",
                 key=path,
             )
@@ -417,29 +427,37 @@ def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> li
     return out
 
 
-def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False, check_only: bool = False) -> Any:
+def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False, check_only: bool = False,
+              classes: bool = True) -> Any:
     """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in).
 
     With ``check_only`` every node is checked and pickled values are only decoded, never
-    unpickled (``mpckpt verify``).
+    unpickled (``mpckpt verify``); no class is imported. With ``classes=False`` namedtuples,
+    dataclasses and Enum members come back as plain values, without importing their classes.
     """
     try:
-        return _unflatten(node, tensors, allow_pickle, check_only)
+        return _unflatten(node, tensors, allow_pickle, check_only, classes, "")
     except RecursionError as e:
         raise CorruptCheckpointError("the skeleton tree is nested too deeply") from e
 
 
-def _unflatten(node: Any, tensors: list[torch.Tensor], allow_pickle: bool, check_only: bool) -> Any:
+def _unflatten(node: Any, tensors: list[torch.Tensor], allow_pickle: bool, check_only: bool, classes: bool,
+               path: str) -> Any:
     if isinstance(node, list):
-        return [_unflatten(x, tensors, allow_pickle, check_only) for x in node]
+        return [_unflatten(x, tensors, allow_pickle, check_only, classes, _path(path, i)) for i, x in enumerate(node)]
     if not isinstance(node, dict):
         return node
     tag = node.get(TAG)
     try:
         if tag == "dict":
-            return {k: _unflatten(v, tensors, allow_pickle, check_only) for k, v in zip(node["k"], node["v"], strict=True)}
+            return {k: _unflatten(v, tensors, allow_pickle, check_only, classes, _path(path, k))
+                    for k, v in zip(node["k"], node["v"], strict=True)}
         if tag == "tuple":
-            return tuple(_unflatten(x, tensors, allow_pickle, check_only) for x in node["v"])
+            return tuple(_unflatten(x, tensors, allow_pickle, check_only, classes, _path(path, i))
+                         for i, x in enumerate(node["v"]))
+        if tag in _values.TAGS:
+            child = lambda n, p: _unflatten(n, tensors, allow_pickle, check_only, classes, p)  # noqa: E731
+            return _values.decode(node, tag, path, _values.Reader(child, check_only, classes))
         if tag == "tensor":
             return tensors[_index(node["id"], len(tensors), "tensor id")]
         if tag == "float":
@@ -458,8 +476,8 @@ def _unflatten(node: Any, tensors: list[torch.Tensor], allow_pickle: bool, check
                 return None
             if not allow_pickle:
                 raise StateError(
-                    "this checkpoint holds a pickled value; loading it runs code from storage. "
-                    "Pass allow_pickle=True only if you trust where it came from"
+                    f"this checkpoint holds a pickled value (state key {path or '<root>'!r}); loading it runs code "
+                    "from storage. Pass allow_pickle=True only if you trust where it came from", key=path
                 )
             return pickle.loads(base64.b64decode(node["v"]))
     except (StateError, CorruptCheckpointError):

@@ -31,5 +31,5 @@ def test_cuda_state_round_trips_through_pinned_slabs(tmp_path):
     assert_same(state["bf16"].cpu(), loaded["bf16"])
     restored = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)).cuda()
     with mpckpt.Checkpointer(tmp_path, workers=1) as again:
-        again.restore({"model": restored}, step=1)
+        again.restore({"model": restored}, step=1, strict=False)  # the model alone
     assert all(p.is_cuda for p in restored.parameters())

@@ -71,17 +71,21 @@ _ROUND_TRIP = """
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
-    state = {"model": model, "optim": opt, "rng": torch.get_rng_state(), "epoch": 3}
+    import datetime
+    state = {"model": model, "optim": opt, "rng": torch.get_rng_state(), "epoch": 3,
+             "started": datetime.date(2024, 1, 1), "tags": {"a", "b"}}  # values module, without numpy
     with mpckpt.Checkpointer(sys.argv[1], workers=2) as ckpt:
         ckpt.save(0, state)
         ckpt.save(1, state)
     model2 = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
-    state2 = {"model": model2, "optim": torch.optim.AdamW(model2.parameters()), "rng": torch.get_rng_state(), "epoch": 0}
+    state2 = {"model": model2, "optim": torch.optim.AdamW(model2.parameters()), "rng": torch.get_rng_state(), "epoch": 0,
+              "started": None, "tags": set()}
     with mpckpt.Checkpointer(sys.argv[1], workers=1) as ckpt:
         assert ckpt.restore(state2) == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     loaded = mpckpt.load(sys.argv[1])
-    assert loaded["epoch"] == 3
+    assert loaded["epoch"] == 3 and state2["started"] == loaded["started"] == datetime.date(2024, 1, 1)
+    assert state2["tags"] == loaded["tags"] == {"a", "b"}
     torch.set_rng_state(loaded["rng"])
     try:
         mpckpt.Checkpointer("az://container/run")

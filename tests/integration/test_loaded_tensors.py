@@ -125,7 +125,7 @@ def test_every_loaded_tensor_owns_its_memory(tmp_path):
 
     model2, opt2 = make_model(width=64, seed=1)
     with mpckpt.Checkpointer(tmp_path, workers=1) as ckpt:
-        assert ckpt.restore({"model": model2, "optim": opt2}) == 0
+        assert ckpt.restore({"model": model2, "optim": opt2}, strict=False) == 0  # a part of what was saved
     for path, t in _tensors(opt2.state_dict()["state"]):  # e.g. Adam keeps the loaded "step" tensors
         assert_owns_memory(t, f"optim{path}")
     assert_same(state["model"].state_dict(), model2.state_dict())
@@ -365,7 +365,7 @@ def test_the_read_path_never_imports_numpy(tmp_path):
         assert torch.equal(loaded["views"]["b"], torch.arange(5, 20, dtype=torch.float32).view(3, 5))
         model, opt = make_model(width=64, seed=1)
         with mpckpt.Checkpointer(root, workers=1) as ckpt:
-            assert ckpt.restore({"model": model, "optim": opt}) == 0
+            assert ckpt.restore({"model": model, "optim": opt}, strict=False) == 0  # a part of what was saved
             ckpt.checkpoint(0).to_directory(out)
         for name, value in loaded["model"].items():
             assert torch.equal(model.state_dict()[name], value), name

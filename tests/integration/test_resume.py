@@ -108,3 +108,20 @@ def test_every_commit_logs_one_info_line(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "mpckpt" and r.levelno == logging.INFO]
     assert [line.split(" to ")[0] for line in lines] == ["mpckpt: committed step 3", "mpckpt: committed step 4"]
     assert all("MiB written" in line and "persisted in" in line and "MB/s" in line for line in lines)
+
+
+def test_a_save_that_is_not_due_makes_the_first_slab_in_the_background(tmp_path):
+    state = {"w": torch.randn(256, 1024)}  # 1 MiB
+    with mpckpt.Checkpointer(tmp_path, trigger=mpckpt.EveryNSteps(10)) as ckpt:
+        assert ckpt.save(1, state) is None
+        arena = ckpt._rt.arena
+        deadline = time.monotonic() + 60
+        while not arena._slabs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # a slab big enough for the state exists before the first due save, and that save uses it
+        (slab,) = arena._slabs
+        assert slab.capacity >= state["w"].nbytes and not slab.in_use
+        future = ckpt.save(10, state)
+        assert future is not None and future.result(60) is not None
+        assert slab in arena._slabs
+    assert torch.equal(mpckpt.load(tmp_path)["w"], state["w"])

@@ -1,0 +1,172 @@
+"""Put a loaded state back into the live objects of a training state (``Checkpointer.restore``).
+
+In place where it matters: a tensor is overwritten (its shape must match), so everything that
+refers to it (an optimizer, a tied weight) sees the restored values; a numpy array too, when
+its shape and dtype match (otherwise its slot gets the loaded array); an object with
+``load_state_dict`` (module, optimizer, scheduler, ``RNGState``) gets its part of the
+checkpoint; dicts, lists, tuples, namedtuples and dataclass instances are walked. Any other
+value's slot (int, str, set, Enum member, path, datetime ...) gets the loaded value.
+
+Strict by default, as ``torch.nn.Module.load_state_dict``: a key of the live state that the
+checkpoint lacks, or a key of the checkpoint that the live state lacks, is an error. Keys are
+dict keys, the keys of each module's state_dict (torch's own check, run with ``strict=False``
+so that one ``StateError`` names every key with its full path), and the items of a list or
+tuple that holds tensors or objects with ``load_state_dict``; a list or tuple without any whose
+length changed is a value and takes the checkpoint's (a list in place). With ``strict=False`` what matches is
+restored and the rest left as it is: keys only the live state has keep their values, keys only
+the checkpoint has are ignored. Either way everything that matches is applied before the error
+is raised, as torch does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from typing import Any
+
+import torch
+
+from mpckpt.errors import StateError
+
+_SHOWN = 5  # keys named in a mismatch error, of each kind
+
+
+@dataclasses.dataclass
+class _Keys:
+    missing: list[str] = dataclasses.field(default_factory=list)     # in the live state only
+    unexpected: list[str] = dataclasses.field(default_factory=list)  # in the checkpoint only
+
+
+def apply_state(target: Any, loaded: Any, *, strict: bool = True, source: str = "the checkpoint") -> Any:
+    """Load ``loaded`` into ``target`` in place where possible; return what ``target`` becomes.
+
+    ``source`` names the checkpoint in errors. Raises ``StateError`` for a value that cannot go
+    where it should, and (``strict``) for keys that do not match.
+    """
+    keys = _Keys()
+    out = _apply(target, loaded, "", strict, keys)
+    if strict and (keys.missing or keys.unexpected):
+        parts = []
+        if keys.missing:
+            parts.append(f"the state has {_some(keys.missing)} that the checkpoint lacks")
+        if keys.unexpected:
+            parts.append(f"the checkpoint has {_some(keys.unexpected)} that the state lacks")
+        raise StateError(f"{source} does not match the state: {'; '.join(parts)}. Make the state hold the same keys, "
+                         "or pass strict=False to restore the keys that match and leave the rest",
+                         key=(keys.missing or keys.unexpected)[0])
+    return out
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return f"{len(keys)} key{'s' if len(keys) > 1 else ''} ({shown}{more})"  # 2 keys ('a', 'b')
+
+
+def _path(parent: str, key: Any) -> str:
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _loader(value: Any) -> Any:
+    load = getattr(value, "load_state_dict", None)
+    return load if callable(load) and not isinstance(value, type) else None
+
+
+def _live(value: Any) -> bool:
+    """Whether ``value`` holds something restored in place (a tensor, an object with ``load_state_dict``)."""
+    if isinstance(value, torch.Tensor) or _loader(value) is not None:
+        return True
+    if isinstance(value, dict):
+        return any(_live(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_live(v) for v in value)
+    return False
+
+
+def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> Any:
+    where = path or "<root>"
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a tensor", key=path)
+        if target.shape != loaded.shape:
+            raise StateError(f"state key {where!r}: shape {tuple(loaded.shape)} in the checkpoint, "
+                             f"{tuple(target.shape)} in memory", key=path)
+        with torch.no_grad():
+            target.copy_(loaded)
+        return target
+    np = sys.modules.get("numpy")  # a live value cannot be a numpy array unless numpy is imported
+    if np is not None and type(target) is np.ndarray:
+        if (type(loaded) is np.ndarray and loaded.shape == target.shape and loaded.dtype == target.dtype
+                and target.flags.writeable):
+            np.copyto(target, loaded)
+            return target
+        return loaded
+    if isinstance(target, dict):
+        if not isinstance(loaded, dict):
+            raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a dict", key=path)
+        for k, v in loaded.items():
+            if k in target:
+                target[k] = _apply(target[k], v, _path(path, k), strict, keys)
+            else:
+                keys.unexpected.append(_path(path, k))
+        keys.missing.extend(_path(path, k) for k in target if k not in loaded)
+        return target
+    if isinstance(target, (list, tuple)) and isinstance(loaded, (list, tuple)):
+        return _sequence(target, loaded, path, strict, keys)
+    if (dataclasses.is_dataclass(target) and not isinstance(target, type) and type(loaded) is type(target)
+            and _loader(target) is None):
+        return _dataclass(target, loaded, path, strict, keys)
+    load = _loader(target)
+    if load is None:
+        return loaded
+    if isinstance(target, torch.nn.Module):
+        result = load(loaded, strict=False)  # torch lists the keys; the error is raised once, for all of them
+        keys.missing.extend(_path(path, k) for k in getattr(result, "missing_keys", ()))
+        keys.unexpected.extend(_path(path, k) for k in getattr(result, "unexpected_keys", ()))
+    elif _takes_strict(load):
+        load(loaded, strict=strict)
+    else:
+        load(loaded)
+    return target
+
+
+def _sequence(target: list | tuple, loaded: list | tuple, path: str, strict: bool, keys: _Keys) -> Any:
+    if len(target) != len(loaded) and not _live(target):
+        # values (no tensor, no object with load_state_dict): the checkpoint's, a list in place
+        if isinstance(target, list) and isinstance(loaded, list):
+            target[:] = loaded
+            return target
+        return loaded
+    n = min(len(target), len(loaded))
+    items = [_apply(target[i], loaded[i], _path(path, i), strict, keys) for i in range(n)]
+    keys.missing.extend(_path(path, i) for i in range(n, len(target)))
+    keys.unexpected.extend(_path(path, i) for i in range(n, len(loaded)))
+    if isinstance(target, list):
+        target[:n] = items
+        return target
+    kind = type(loaded) if len(target) == len(loaded) else type(target)
+    items += target[n:]
+    return kind._make(items) if hasattr(kind, "_make") else kind(items)  # a namedtuple: the checkpoint's class
+
+
+def _dataclass(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> Any:
+    frozen = type(target).__dataclass_params__.frozen
+    for f in dataclasses.fields(target):
+        if not hasattr(loaded, f.name):
+            continue
+        new = getattr(loaded, f.name)
+        if hasattr(target, f.name):
+            new = _apply(getattr(target, f.name), new, _path(path, f.name), strict, keys)
+        if frozen:  # a frozen instance is not changed: the loaded one (holding the live tensors) takes its slot
+            object.__setattr__(loaded, f.name, new)
+        else:
+            setattr(target, f.name, new)
+    return loaded if frozen else target
+
+
+def _takes_strict(load: Any) -> bool:
+    try:
+        return "strict" in inspect.signature(load).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
