@@ -14,6 +14,8 @@ target folder, in turn for each mode:
   mpckpt_eager    ``Checkpointer(dir, workers=2)``, ``prepare(state)`` before the loop, ASYNC saves
   mpckpt_cold     the same without ``prepare``: a fresh run that never restores (first save pays
                   for making the shared memory)
+  mpckpt_trigger  the same as cold, but with ``trigger=EveryNSteps(every)`` and ``save()`` called
+                  every step (the not-due calls make the first slab in the background)
   mpckpt_overlap  the same with ``overlap=True`` (marked unavailable if the option is missing)
 
 Each mode runs in a fresh subprocess (``--child``); the parent samples its memory and
@@ -38,7 +40,7 @@ from typing import Any
 import _harness as h
 
 MODES = ["baseline", "floor", "torch_save", "dcp_thread", "dcp_process", "lightning",
-         "mpckpt_eager", "mpckpt_cold", "mpckpt_overlap"]
+         "mpckpt_eager", "mpckpt_cold", "mpckpt_trigger", "mpckpt_overlap"]
 COLUMNS = [
     ("mode", "mode", 0), ("blocked_median_ms", "blocked median ms", 1), ("blocked_p90_ms", "blocked p90 ms", 1),
     ("blocked_max_ms", "blocked max ms", 1),
@@ -57,6 +59,8 @@ class Unavailable(Exception):
 
 # -- modes: open before the loop, save (timed: blocked), finish (timed: wait at exit), close --------
 class Mode:
+    calls_every_step = False  # save() is called every step; the mode decides which are due
+
     def open(self, work: h.Workload, folder: str, args: argparse.Namespace) -> None:
         self.work, self.folder = work, folder
 
@@ -177,8 +181,8 @@ class Lightning(Mode):
 
 
 class Mpckpt(Mode):
-    def __init__(self, overlap: bool, *, prepare: bool = True) -> None:
-        self.overlap, self.prepare = overlap, prepare
+    def __init__(self, overlap: bool, *, prepare: bool = True, trigger: bool = False) -> None:
+        self.overlap, self.prepare, self.calls_every_step = overlap, prepare, trigger
 
     def open(self, work: h.Workload, folder: str, args: argparse.Namespace) -> None:
         super().open(work, folder, args)
@@ -189,6 +193,8 @@ class Mpckpt(Mode):
             if "overlap" not in inspect.signature(mpckpt.Checkpointer).parameters:
                 raise Unavailable("mpckpt.Checkpointer has no overlap option yet")
             kwargs["overlap"] = True
+        if self.calls_every_step:
+            kwargs["trigger"] = mpckpt.EveryNSteps(args.every)
         self.ckpt = mpckpt.Checkpointer(folder, **kwargs)
         if self.prepare:  # restore() does this too; mpckpt_cold is a fresh run that never calls either
             self.ckpt.prepare(work.state)
@@ -214,6 +220,7 @@ def make_mode(name: str) -> Mode:
         "baseline": Mode, "floor": Floor, "torch_save": TorchSave,
         "dcp_thread": lambda: Dcp("thread"), "dcp_process": lambda: Dcp("process"), "lightning": Lightning,
         "mpckpt_eager": lambda: Mpckpt(False), "mpckpt_cold": lambda: Mpckpt(False, prepare=False),
+        "mpckpt_trigger": lambda: Mpckpt(False, prepare=False, trigger=True),
         "mpckpt_overlap": lambda: Mpckpt(True),
     }[name]()
 
@@ -230,6 +237,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         return {"mode": args.child, "status": "unavailable", "reason": str(e)}
     checkpoint = name != "baseline"
     blocked: list[float] = []
+    not_due: list[float] = []  # save() calls a trigger turned down (mpckpt_trigger only)
     step_s: list[float] = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -240,6 +248,10 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             mode.save(step, loss)
             blocked.append((time.perf_counter() - t0) * 1e3)
+        elif checkpoint and mode.calls_every_step:
+            t0 = time.perf_counter()
+            mode.save(step, loss)
+            not_due.append((time.perf_counter() - t0) * 1e3)
     loop_s = time.perf_counter() - started
     t0 = time.perf_counter()
     mode.finish()
@@ -253,6 +265,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         "wait_at_exit_s": wait_s if checkpoint else None, "loop_s": loop_s,
         "state_bytes": h.state_bytes(h.state_tensors(work)), "layers": work.layers,
         "written_mib": h.folder_bytes(args.dir) / h.MIB if checkpoint else None,
+        "not_due_median_ms": h.median(not_due) if not_due else None,
         "step_median_s": h.median(step_s), "step_s": [round(x, 3) for x in step_s], **mode.extra(),
     }
 

@@ -4,8 +4,16 @@ Policies are objects combined with ``|``; they never touch storage, and read the
 through what they are given.
 """
 
-from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan, RetentionPolicy
+from mpckpt.policies.retention import (
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepInterval,
+    KeepLast,
+    KeepNewerThan,
+    RetentionPolicy,
+)
 from mpckpt.policies.triggers import AnyTrigger, EveryNSeconds, EveryNSteps, Trigger
 
-__all__ = ["AnyTrigger", "EveryNSeconds", "EveryNSteps", "KeepAny", "KeepBest", "KeepEvery", "KeepLast",
+__all__ = ["AnyTrigger", "EveryNSeconds", "EveryNSteps", "KeepAny", "KeepBest", "KeepEvery", "KeepInterval", "KeepLast",
            "KeepNewerThan", "RetentionPolicy", "Trigger"]

@@ -78,20 +78,32 @@ class KeepLast(RetentionPolicy):
 
 
 class KeepBest(RetentionPolicy):
-    """Keep the ``n`` with the best ``metric`` (those without it, or with NaN, are not kept by this rule)."""
+    """Keep the ``n`` with the best ``metric``.
 
-    def __init__(self, n: int, metric: str, mode: str = "min") -> None:
+    Checkpoints without the metric (or with NaN: a diverged step) are not ranked. By default
+    this rule does not keep them; ``keep_missing=True`` keeps them, for metrics that arrive
+    after the commit (``validate=``) or are reported only now and then.
+    """
+
+    def __init__(self, n: int, metric: str, mode: str = "min", *, keep_missing: bool = False) -> None:
         self.n = _positive(n, "KeepBest(n)")
         if mode not in ("min", "max"):
             raise ConfigError(f"KeepBest(mode={mode!r}): use 'min' or 'max'")
-        self.metric, self.mode = metric, mode
+        if not isinstance(keep_missing, bool):
+            raise ConfigError(f"KeepBest(keep_missing={keep_missing!r}) must be True or False")
+        self.metric, self.mode, self.keep_missing = metric, mode, keep_missing
 
     def votes(self, records: Records) -> list[bool]:
-        best = set(rank_by_metric(records, self.metric, self.mode)[:self.n])
+        ranked = rank_by_metric(records, self.metric, self.mode)
+        best = set(ranked[:self.n])
+        if self.keep_missing:
+            scored = set(ranked)
+            return [i in best or i not in scored for i in range(len(records))]
         return [i in best for i in range(len(records))]
 
     def __repr__(self) -> str:
-        return f"KeepBest({self.n}, {self.metric!r}, {self.mode!r})"
+        extra = ", keep_missing=True" if self.keep_missing else ""
+        return f"KeepBest({self.n}, {self.metric!r}, {self.mode!r}{extra})"
 
 
 class KeepEvery(RetentionPolicy):
@@ -105,6 +117,33 @@ class KeepEvery(RetentionPolicy):
 
     def __repr__(self) -> str:
         return f"KeepEvery({self.n})"
+
+
+class KeepInterval(RetentionPolicy):
+    """Keep one checkpoint per ``seconds`` of wall time: thin out an old history evenly.
+
+    Oldest first, a checkpoint is kept when it was committed at least ``seconds`` after the
+    last one this rule kept (the oldest is kept). The decision is stable: applied again after
+    the others were deleted, it keeps the same checkpoints.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 \
+                or not math.isfinite(seconds):
+            raise ConfigError(f"KeepInterval({seconds!r}) needs a positive, finite number of seconds")
+        self.seconds = float(seconds)
+
+    def votes(self, records: Records) -> list[bool]:
+        out, last = [], -math.inf
+        for _, m in records:
+            kept = m.created_unix - last >= self.seconds
+            if kept:
+                last = m.created_unix
+            out.append(kept)
+        return out
+
+    def __repr__(self) -> str:
+        return f"KeepInterval({self.seconds:g})"
 
 
 class KeepNewerThan(RetentionPolicy):

@@ -17,7 +17,7 @@ from mpckpt.config import BudgetPolicy, Config, parse_bytes
 from mpckpt.errors import ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum, step_of
 from mpckpt.format.safetensors import HeaderEntry, build_header, parse_header
-from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepLast, KeepNewerThan
+from mpckpt.policies.retention import KeepAny, KeepBest, KeepEvery, KeepInterval, KeepLast, KeepNewerThan
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -146,6 +146,28 @@ def test_retention_policies_are_pure_and_combine():
                 lambda: KeepNewerThan(0), lambda: KeepLast(True)):
         with pytest.raises(ConfigError):
             bad()
+
+
+def test_keep_interval_thins_out_evenly_and_stably():
+    recs = [(s, types.SimpleNamespace(metrics={}, created_unix=t)) for s, t in
+            [(1, 0.0), (2, 20.0), (3, 59.0), (4, 61.0), (5, 100.0), (6, 130.0), (7, 200.0)]]
+    decided = KeepInterval(60).keep(recs)
+    assert decided == [True, False, False, True, False, True, True]  # 0, 61, 130 (>= 60 apart), newest
+    survivors = [r for r, keep in zip(recs, decided, strict=True) if keep]
+    assert KeepInterval(60).keep(survivors) == [True] * len(survivors)  # applied again: the same ones
+    assert repr(KeepInterval(60) | KeepLast(2)) == "KeepInterval(60) | KeepLast(2)"
+    for bad in (0, -1, float("inf"), float("nan"), True, "60"):
+        with pytest.raises(ConfigError, match="KeepInterval"):
+            KeepInterval(bad)
+
+
+def test_keep_best_can_keep_what_has_no_metric_yet():
+    recs = _records([1, 2, 3, 4], {1: 0.5, 3: 0.1})
+    assert KeepBest(1, "loss").keep(recs) == [False, False, True, True]
+    assert KeepBest(1, "loss", keep_missing=True).keep(recs) == [False, True, True, True]
+    assert repr(KeepBest(1, "loss", keep_missing=True)) == "KeepBest(1, 'loss', 'min', keep_missing=True)"
+    with pytest.raises(ConfigError, match="keep_missing"):
+        KeepBest(1, "loss", keep_missing="yes")
 
 
 def test_triggers_are_pure_and_combine():
