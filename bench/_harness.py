@@ -139,14 +139,14 @@ class ShmFloor:
         self.buffer.zero_()  # touch every page once, before timing
         self.views = [
             self.buffer[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for off, t in zip(offsets, self.sources)
+            for off, t in zip(offsets, self.sources, strict=True)
         ]
         self.nbytes = total
 
     def copy(self) -> float:
         """Copy every tensor in; return the milliseconds it took."""
         started = time.perf_counter()
-        for dst, src in zip(self.views, self.sources):
+        for dst, src in zip(self.views, self.sources, strict=True):
             dst.copy_(src)
         return (time.perf_counter() - started) * 1e3
 
@@ -154,6 +154,15 @@ class ShmFloor:
 # -- memory sampling ---------------------------------------------------------------------------
 def shm_used_bytes() -> int:
     return shutil.disk_usage("/dev/shm").used
+
+
+def shm_free_bytes() -> int:
+    return shutil.disk_usage("/dev/shm").free
+
+
+def memory_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo: what can be allocated without swapping (psutil reads it)."""
+    return int(psutil.virtual_memory().available)
 
 
 class MemorySampler:
@@ -332,7 +341,7 @@ def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
         return math.nan, math.nan
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else math.nan
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else math.nan
     return slope, my - slope * mx
 
 

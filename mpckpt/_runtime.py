@@ -8,6 +8,9 @@ becomes unreachable without ``close()`` (a notebook variable bound again, a scri
 program, wait for the checkpoints already saved (bounded by ``timeout_s``), log every failure
 nobody has seen (never swallowed), and free everything.
 
+A read-only Checkpointer holds none of that: ``StorageView`` answers its questions by looking
+at the root anew each time (another process writes there).
+
 It also remembers which roots this process holds, so that a second Checkpointer on the same
 root in the same process is told that, and how to close the first, instead of a puzzling
 "another live process (pid <our own pid>)".
@@ -32,15 +35,18 @@ from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._futures import CheckpointerStats
+from mpckpt._preemption import PreemptionWatch
 from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
-from mpckpt.catalog import recover
+from mpckpt.catalog import recover, scan
 from mpckpt.config import Config
 from mpckpt.errors import LockedError
+from mpckpt.format.manifest import Manifest
+from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
@@ -92,10 +98,13 @@ class Runtime:
     on. Background failures come out of one ``ErrorSink``.
     """
 
+    read_only = False
+
     def __init__(self, config: Config, spec: BackendSpec, backend: Backend, *, environ: dict[str, str],
-                 owner: str, where: str, pin: bool) -> None:
+                 owner: str, where: str, pin: bool, preemption: PreemptionWatch) -> None:
         self.config = config
         self.backend = backend
+        self.preemption = preemption
         self.closed = False
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
@@ -124,11 +133,33 @@ class Runtime:
             self.deleter = Deleter(backend)
             self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
                                        retention=config.retention, on_forget=self.saver.frozen.forget_folder)
+            preemption.install()
         except BaseException:
             self._stop_background(timeout_s=5)
             self._let_go_of_lock()
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it
+
+    def committed(self) -> dict[int, Manifest]:
+        return self.ledger.committed()
+
+    def latest_step(self) -> int | None:
+        return self.ledger.latest_step()
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete the committed checkpoints newer than ``step``, now, so saving goes on from it."""
+        self.wait(self.config.timeout_s)
+        self.errors.raise_unseen()
+        newer = self.ledger.discard_after(step)
+        names = [checkpoint_name(s) for s in newer]
+        for name in names:  # later checkpoints reference earlier files, never the reverse
+            self.saver.frozen.forget_folder(name)
+        if names:
+            log.info("mpckpt: going on from step %d: deleting the newer checkpoints %s", step, newer)
+            assert self.deleter is not None
+            self.deleter.delete(names)
+            self.deleter.drain(timeout_s=self.config.timeout_s)
+        return newer
 
     def _opened(self, record: Pending) -> None:
         self._stats.saves.append(record.stats)
@@ -169,6 +200,7 @@ class Runtime:
             return
         self.closed = True
         atexit.unregister(self.release_unclosed)
+        self.preemption.uninstall()
         try:
             self.saver.close()
             self._stop_background(timeout_s=self.config.timeout_s)
@@ -211,6 +243,41 @@ class Runtime:
                 log.error("mpckpt: %s: %s", type(other).__name__, other)
         finally:
             self.release()
+
+
+class StorageView:
+    """What a read-only Checkpointer holds: its root, listed anew for every question.
+
+    No lock, no uploaders, no shared memory, no recovery (a writer elsewhere owns the root);
+    checkpoints that do not verify are reported in ``damaged`` and never touched.
+    """
+
+    read_only = True
+    pool = None
+
+    def __init__(self, config: Config, backend: Backend) -> None:
+        self.config, self.backend = config, backend
+        self.closed = False
+        self.errors = ErrorSink()
+        self.stats = CheckpointerStats()
+        self.damaged: dict[int, Exception] = {}
+
+    def committed(self) -> dict[int, Manifest]:
+        problems: dict[int, Exception] = {}
+        found = scan(self.backend, clean=False, problems=problems)
+        self.damaged = problems
+        return found
+
+    def latest_step(self) -> int | None:
+        return max(self.committed(), default=None)
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+    release_unclosed = close
 
 
 def finalizer_for(owner: Any, runtime: Runtime) -> Any:

@@ -142,9 +142,18 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
     one is looked up again.
     """
     backend = open_backend(spec_for_url(root, dict(storage_options or {})))
+    return load_newest(backend, step, allow_pickle=allow_pickle, classes=classes)[1]
+
+
+def load_newest(backend: Backend, step: int | None = None, *, allow_pickle: bool = False,
+                classes: bool = True, kind: str | None = None) -> tuple[int, Any]:
+    """``(step, state)`` of the newest committed checkpoint (of ``kind``, if given), or of ``step``;
+    as ``load``, safe beside a writer whose retention deletes what was just listed."""
     for attempt in range(_LOAD_ATTEMPTS):
         problems: dict[int, Exception] = {}
         committed = scan(backend, clean=False, problems=problems)
+        if kind is not None:
+            committed = {s: m for s, m in committed.items() if m.kind == kind}
         chosen = max([*committed, *problems], default=None) if step is None else step
         if chosen in problems:  # say why the newest (or requested) one cannot be read
             raise problems[chosen]
@@ -159,7 +168,7 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
                                           f"committed steps: {sorted(committed)[-10:]}")
         name = checkpoint_name(chosen)
         try:
-            return load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle, classes=classes)
+            return chosen, load_checkpoint(backend, name, committed[chosen], allow_pickle=allow_pickle, classes=classes)
         except MpckptError as e:
             if _still_committed(backend, name):
                 raise

@@ -14,6 +14,10 @@ Opening it checks the root, takes the single-writer lock, removes what a crashed
 state is copied (ASYNC) or committed (SYNC); leaving the block waits for all of it and
 raises what failed.
 
+``read_only=True`` opens none of that (``_runtime.StorageView``): it lists and restores while
+another process writes. ``preemption=`` installs signal handlers (``_preemption``) that make
+the next ``save`` a due, synchronous one.
+
 Errors from the background surface exactly once: on the future if the caller looks there,
 otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step and the cause.
 """
@@ -25,21 +29,24 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpckpt._apply import apply_state
 from mpckpt._futures import CheckpointerStats, SaveFuture
-from mpckpt._runtime import Runtime, caller_location, finalizer_for
+from mpckpt._preemption import PreemptionWatch, parse_signals
+from mpckpt._runtime import Runtime, StorageView, caller_location, finalizer_for
 from mpckpt._stage.copier import estimate_state_bytes
 from mpckpt._stage.snapshot import flatten
-from mpckpt.catalog import Catalog, load  # noqa: F401 -- load: mpckpt.load, kept importable here
+from mpckpt.catalog import Catalog, load, load_newest  # noqa: F401 -- load: mpckpt.load, kept importable here
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import BudgetPolicy, Config, UploadMode, fit_budget_to_shm
 from mpckpt.errors import (
+    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     MpckptError,
+    StateError,
     StepOrderError,
     add_note,
 )
@@ -72,23 +79,37 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
         start_method: str | None = None,
         environ: Mapping[str, str] | None = None,
+        preemption: bool | Sequence[int | str] = False,
+        read_only: bool = False,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
             allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, environ=environ,
         )
+        signals = parse_signals(preemption)
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
         backend = open_backend(self._spec)
+        self._warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
+        if read_only is True:
+            writing = {"keep": keep, "keep_last": keep_last, "trigger": trigger, "preemption": signals or None}
+            given = [name for name, value in writing.items() if value is not None]
+            if given:
+                raise ConfigError(f"read_only=True with {', '.join(given)}: a read-only Checkpointer never saves "
+                                  "or deletes; leave those to the Checkpointer that writes")
+            self._rt: Runtime | StorageView = StorageView(self.config, backend)
+            self._finalizer = None
+            return
+        if read_only is not False:
+            raise ConfigError(f"read_only={read_only!r} must be True or False")
         backend.check_writable()
         self.config = fit_budget_to_shm(self.config)
         # Everything the Checkpointer holds lives in the runtime, which never refers back to
         # it: so an unclosed Checkpointer that nobody references can be finalized.
         self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
                            owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
-                           pin=_cuda_available())
+                           pin=_cuda_available(), preemption=PreemptionWatch(signals))
         self._finalizer = finalizer_for(self, self._rt)
-        self._warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -103,6 +124,24 @@ class Checkpointer:
     def url(self) -> str:
         """Where the checkpoints go (never with credentials)."""
         return self._rt.backend.url
+
+    @property
+    def read_only(self) -> bool:
+        """Opened with ``read_only=True``: lists, loads and restores; never saves or deletes."""
+        return self._rt.read_only
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal arrived (``preemption=``): save, then stop the loop. Stays True."""
+        return isinstance(self._rt, Runtime) and self._rt.preemption.preempted
+
+    def _writer(self) -> Runtime:
+        """The runtime of a Checkpointer that may write (a clear error for a read-only one)."""
+        self._check_usable()
+        if not isinstance(self._rt, Runtime):
+            raise ConfigError(f"this Checkpointer of {self.url} was opened with read_only=True: it lists, loads and "
+                              "restores, and never saves; open one without read_only in the process that trains")
+        return self._rt
 
     @property
     def uploader_pids(self) -> list[int]:
@@ -131,7 +170,8 @@ class Checkpointer:
         """
         if self._closed:
             return
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._rt.close()
 
     # -- saving ---------------------------------------------------------------------------------
@@ -150,17 +190,20 @@ class Checkpointer:
         With a ``trigger``, a step that is not due returns None at once (nothing copied);
         ``force`` saves regardless. With ``overlap`` (default: the checkpointer's setting) the
         copy of parameters and optimizer state runs in the background until the next
-        ``optimizer.step()``.
+        ``optimizer.step()``. After a preemption signal (``preemption=``) every save is due and
+        returns after its commit.
         """
         started = time.perf_counter()
-        self._check_usable()
+        rt = self._writer()
         mode = _mode(mode)
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
         step = self._check_step(step)
         metrics = _check_metrics(metrics)
         now = time.monotonic()
-        if not force and not self._rt.schedule.due(step, now):
+        if rt.preemption.preempted:  # the job is about to be stopped: this save is the last one
+            force, mode, overlap = True, UploadMode.SYNC, False
+        if not force and not rt.schedule.due(step, now):
             if not self._warmed:
                 self._warm_in_background(state)
             return None
@@ -171,12 +214,12 @@ class Checkpointer:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            future = self._rt.saver.save(step, state, metrics, overlap=overlap and mode is UploadMode.ASYNC)
+            future = rt.saver.save(step, state, metrics, overlap=overlap and mode is UploadMode.ASYNC)
         finally:
             if gc_was_enabled:
                 gc.enable()
         if future.stats.status != "skipped":
-            self._rt.schedule.saved(step, now)
+            rt.schedule.saved(step, now)
         return self._returned(future, mode, started)
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
@@ -187,8 +230,10 @@ class Checkpointer:
         return future
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would save now (always True without a ``trigger``)."""
-        return self._rt.schedule.due(self._check_int(step), time.monotonic())
+        """Whether ``save(step, ...)`` would save now (always True without a ``trigger``, and after a
+        preemption signal)."""
+        rt = self._writer()
+        return rt.preemption.preempted or rt.schedule.due(self._check_int(step), time.monotonic())
 
     def snapshot_barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying.
@@ -196,7 +241,7 @@ class Checkpointer:
         ``optimizer.step()`` calls this for you; call it before any other in-place change of
         parameters or optimizer state (an EMA update, a manual weight edit).
         """
-        if not self._closed:
+        if not self._closed and isinstance(self._rt, Runtime):
             self._rt.saver.barrier()
 
     def report(
@@ -215,11 +260,11 @@ class Checkpointer:
         into place (local roots only).
         """
         started = time.perf_counter()
-        self._check_usable()
+        rt = self._writer()
         mode = _mode(mode)
         metrics = _check_metrics(metrics)
         if step is None:
-            last = self._rt.ledger.last_step
+            last = rt.ledger.last_step
             step = int(metrics["step"]) if "step" in metrics else (0 if last is None else last + 1)
         if checkpoint is None:
             self.stats.reported.append({"step": step, **metrics})
@@ -232,7 +277,7 @@ class Checkpointer:
             delete_local_after_upload = mode is UploadMode.ASYNC
         if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":
             raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.url}; with a remote root use ASYNC or SYNC")
-        future = self._rt.directories.report(step, checkpoint.path, files, metrics,
+        future = rt.directories.report(step, checkpoint.path, files, metrics,
                                              upload=mode is not UploadMode.NO_UPLOAD,
                                              delete_local=delete_local_after_upload)
         return self._returned(future, mode, started)
@@ -260,11 +305,13 @@ class Checkpointer:
 
     def _check_step(self, step: Any) -> int:
         step = self._check_int(step)
-        last = self._rt.ledger.last_step
+        last = self._writer().ledger.last_step
         if last is not None and step <= last:
             raise StepOrderError(
                 f"step {step} is not after the last saved step {last}; steps must increase "
-                "(committed checkpoints are never overwritten)"
+                "(committed checkpoints are never overwritten). To go on from an earlier checkpoint, restore it "
+                "with restore(state, step=N, discard_newer=True), which deletes the newer ones; to keep them, "
+                "save the new branch into another root"
             )
         return step
 
@@ -274,16 +321,16 @@ class Checkpointer:
 
         ``restore`` calls this for you. Returns the bytes reserved.
         """
-        self._check_usable()
+        rt = self._writer()
         need = self._slab_bytes_for(state)
         # two slabs: the first save's, and the spare the next save uses while it uploads
-        assert self._rt.arena is not None
-        self._rt.arena.reserve(need, count=2)
+        assert rt.arena is not None
+        rt.arena.reserve(need, count=2)
         self._warmed = True
         return need
 
     def _slab_bytes_for(self, state: Any) -> int:
-        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self._rt.saver.memo)
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self._writer().saver.memo)
         return min(int(estimate_state_bytes(state, flat) * 1.02) + (4 << 20), self.config.memory_budget_bytes)
 
     def _warm_in_background(self, state: Any) -> None:
@@ -294,17 +341,18 @@ class Checkpointer:
         before the first due step, so that work runs beside training instead.
         """
         self._warmed = True
-        assert self._rt.arena is not None
-        self._rt.arena.ensure_spare(self._slab_bytes_for(state))
+        arena = self._writer().arena
+        assert arena is not None
+        arena.ensure_spare(self._slab_bytes_for(state))
 
     # -- reading ----------------------------------------------------------------------------------
     @property
     def latest_step(self) -> int | None:
         """The newest committed step (never moves past an uncommitted one)."""
-        return self._rt.ledger.latest_step()
+        return self._rt.latest_step()
 
     def _catalog(self) -> Catalog:
-        return Catalog(self._rt.ledger.committed())
+        return Catalog(self._rt.committed())
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -330,22 +378,49 @@ class Checkpointer:
         backend, name, manifest = ckpt._stored
         return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
 
-    def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True) -> int | None:
-        """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
+    def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True,
+                discard_newer: bool = False) -> int | None:
+        """Load the latest committed state checkpoint (or ``step``) into ``state`` in place.
 
-        Returns the restored step, or None when there is no checkpoint yet. With ``fallback``,
-        a checkpoint that does not verify is skipped for the newest older one that does.
-        ``strict`` (as ``torch.nn.Module.load_state_dict``): keys of ``state`` that the
-        checkpoint lacks, or the reverse, raise a ``StateError`` naming them; ``strict=False``
-        restores the keys that match and leaves the rest. Also warms shared memory for saving ``state``.
+        Returns the restored step, or None when there is no checkpoint yet. Only checkpoints
+        of states count: a directory checkpoint (files given to ``report``) is skipped when
+        looking for the latest, and naming one as ``step`` is an error (its files are had with
+        ``checkpoint(step).to_directory(path)``). With ``fallback``, a checkpoint that does not
+        verify is skipped for the newest older one that does. ``strict`` (as
+        ``torch.nn.Module.load_state_dict``): keys of ``state`` that the checkpoint lacks, or the
+        reverse, raise a ``StateError`` naming them; ``strict=False`` restores the keys that
+        match and leaves the rest. ``discard_newer`` (with ``step``): delete the checkpoints
+        newer than ``step`` after restoring it, so the run goes on from there. Also warms
+        shared memory for saving ``state`` (not when read-only).
         """
         self._check_usable()
-        candidates = [step] if step is not None else sorted({*self.steps(), *self._rt.damaged}, reverse=True)
+        if discard_newer and step is None:
+            raise ConfigError("discard_newer=True needs step=: the checkpoint the run goes on from")
+        if discard_newer:
+            self._writer()
+        committed = self._rt.committed()
+        damaged = dict(self._rt.damaged)
+        if step is not None:
+            manifest = committed.get(self._check_int(step))
+            if manifest is not None and manifest.kind != "state":
+                raise StateError(f"step {step} of {self.url} is a directory checkpoint (files given to report()), not a "
+                                 f"state; get its files with ckpt.checkpoint({step}).to_directory(path)")
+            candidates = [step]
+        elif self.read_only and not fallback:  # a writer may delete what was just listed: look again
+            try:
+                step_read, loaded = load_newest(self._rt.backend, allow_pickle=self.config.allow_pickle, kind="state")
+            except CheckpointNotFoundError:
+                return None
+            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {step_read}")
+            return step_read
+        else:
+            states = [s for s, m in committed.items() if m.kind == "state"]
+            candidates = sorted({*states, *damaged}, reverse=True)
         restored = None
         for candidate in candidates:
             try:
-                if candidate in self._rt.damaged:
-                    raise self._rt.damaged[candidate]
+                if candidate in damaged:
+                    raise damaged[candidate]
                 loaded = self.load(candidate)
             except CorruptCheckpointError as e:
                 if not fallback or step is not None:
@@ -358,7 +433,10 @@ class Checkpointer:
         else:
             if candidates and fallback:
                 raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
-        self.prepare(state)
+        if discard_newer and restored is not None:
+            self._writer().discard_after(restored)
+        if not self.read_only:
+            self.prepare(state)
         return restored
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt._futures import SaveFuture, SaveStats
-from mpckpt.errors import WaitTimeoutError, upload_error
+from mpckpt.errors import StepOrderError, WaitTimeoutError, upload_error
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name
 
 JobCallback = Callable[[Any, "dict[str, Any] | None", "BaseException | None"], None]
@@ -84,7 +84,8 @@ class Ledger:
         self._staging_name = staging_name
         self._on_open = on_open
         # steps may only increase past everything on storage, damaged checkpoints included
-        self.last_step: int | None = max([*committed, *(taken_steps or ())], default=None)
+        self._taken = set(taken_steps or ())
+        self.last_step: int | None = max([*committed, *self._taken], default=None)
 
     # -- queries -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -247,6 +248,27 @@ class Ledger:
         with self._cond:
             for step in steps:
                 self._committed.pop(step, None)
+
+    def discard_after(self, step: int) -> list[int]:
+        """Forget every committed checkpoint newer than ``step`` (a run goes on from it); return them.
+
+        Steps may then go on from ``step + 1``. Refused while anything is pending, or when a
+        damaged checkpoint newer than ``step`` is in the way (damaged ones are never deleted).
+        """
+        with self._cond:
+            if self._pending:
+                raise StepOrderError("checkpoints are still being saved; wait() for them before going back to "
+                                     f"step {step}")
+            damaged = sorted(s for s in self._taken if s > step)
+            if damaged:
+                raise StepOrderError(f"damaged checkpoints of steps {damaged} are newer than step {step} and are "
+                                     "never deleted by mpckpt; look at them (mpckpt verify), remove them by hand, "
+                                     "or save the new branch into another root")
+            newer = sorted(s for s in self._committed if s > step)
+            for s in newer:
+                del self._committed[s]
+            self.last_step = max([*self._committed, *self._taken], default=None)
+            return newer
 
     def retire(self, record: Pending) -> None:
         """``record`` is finished: the next one in sequence may be handed over."""

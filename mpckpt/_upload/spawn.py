@@ -13,8 +13,9 @@ dataclass. Importing the script anyway is what broke three kinds of users:
 * every uploader paid for the imports of the user's script (torch, the model code).
 
 So for processes named ``mpckpt-uploader`` the preparation data sent to the child leaves the
-main module out, and the fork server preloads ``mpckpt._upload.worker`` instead of ``__main__``.
-Other processes started with ``multiprocess`` in the same program are left as they are.
+main module out, and the fork server preloads ``mpckpt._upload.server`` (the worker module, and
+ignoring the job signals a scheduler sends to the whole group) instead of ``__main__``. Other
+processes started with ``multiprocess`` in the same program keep their main module.
 
 What the uploaders do get from the training process is its environment *at the time the
 Checkpointer opens* (``worker_main`` applies it): the fork server is started once per
@@ -61,5 +62,5 @@ def uploader_context(start_method: str) -> Any:
     ctx = multiprocess.get_context(start_method)
     if start_method == "forkserver":
         # Only takes effect before the server starts; the server then never runs the main script.
-        ctx.set_forkserver_preload(["mpckpt._upload.worker"])
+        ctx.set_forkserver_preload(["mpckpt._upload.server"])
     return ctx

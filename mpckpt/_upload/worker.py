@@ -34,6 +34,7 @@ from typing import Any
 
 import xxhash
 
+from mpckpt._preemption import JOB_SIGNALS
 from mpckpt._stage.shm import Segment
 from mpckpt.errors import add_note
 from mpckpt.storage import BackendSpec, open_backend
@@ -212,7 +213,8 @@ def worker_main(conn: Any, setup: WorkerSetup) -> None:
     trainer_pid = setup.trainer_pid
     if trainer_pid:
         _die_with_parent()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+        for sig in JOB_SIGNALS:  # Ctrl-C and a scheduler's warnings are the trainer's to handle:
+            signal.signal(sig, signal.SIG_IGN)  # it may still save (preemption=); we die with it anyway
         set_title(setup.title)
         if setup.environ is not None:
             _take_environment(setup.environ)

@@ -17,6 +17,8 @@ import errno
 import fcntl
 import os
 import stat
+import threading
+import weakref
 
 from mpckpt.errors import CorruptCheckpointError, StorageError, StorageFullError
 
@@ -125,11 +127,36 @@ def remove_tree(parent: int, name: str) -> None:
         raise first
 
 
+_held: weakref.WeakSet[FlockLock] = weakref.WeakSet()  # the locks this process holds
+_held_guard = threading.Lock()
+_fork_hook = False
+
+
+def _close_in_child() -> None:
+    for lock in list(_held):
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
+
+
 class FlockLock:
-    """A held ``flock`` on an open lock file; the kernel drops it if the process dies."""
+    """A held ``flock`` on an open lock file; the kernel drops it if the process dies.
+
+    INVARIANT: a fork child closes its copy of the descriptor at once. A flock belongs to the
+    open file description, which a fork shares, so a child that outlives its parent (a
+    DataLoader worker of a killed trainer) would otherwise keep the root locked; closing one
+    descriptor of several never unlocks, and the child can no longer unlock the parent's.
+    """
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
+        global _fork_hook
+        with _held_guard:
+            _held.add(self)
+            if not _fork_hook:
+                os.register_at_fork(after_in_child=_close_in_child)
+                _fork_hook = True
 
     def renew(self) -> None:
         return None
