@@ -24,6 +24,11 @@ collects one JSON line. Blocked time is the wall time of the save call as the lo
 wait at exit is the final wait for every upload; loop time is the loop without that wait.
 
     .venv/bin/python bench/compare.py --gib 1 --steps 30 --every 5
+    .venv/bin/python bench/compare.py --rounds 3 --modes baseline,dcp_thread,mpckpt_eager   # loop overhead
+
+With ``--rounds N`` every mode runs N times, each run between two baselines; its loop overhead is
+measured against the mean of those two, and the table gives medians over the rounds (blocked
+figures over all saves of all rounds) and the baselines' spread, so this machine's drift shows.
 """
 
 from __future__ import annotations
@@ -278,20 +283,70 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         sys.exit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     order = [m for m in MODES if m in modes]
+    if args.rounds > 1:
+        return run_rounds([m for m in order if m != "baseline"], folder, remove, args)
     if "baseline" in order:
         order.append("baseline_end")
     results: dict[str, dict[str, Any]] = {}
     try:
         for mode in order:
-            mode_dir = os.path.join(folder, mode)
-            print(f"[compare] {mode} ...", file=sys.stderr, flush=True)
-            argv = [os.path.abspath(__file__), "--child", mode, "--gib", str(args.gib), "--steps", str(args.steps),
-                    "--every", str(args.every), "--workers", str(args.workers), "--dir", mode_dir]
-            results[mode] = run_quietest(argv, mode, mode_dir, args)
+            results[mode] = run_one(mode, folder, args)
     finally:
         if remove:
             shutil.rmtree(folder, ignore_errors=True)
     return summarize(results, args)
+
+
+def run_one(mode: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    mode_dir = os.path.join(folder, mode)
+    print(f"[compare] {mode} ...", file=sys.stderr, flush=True)
+    argv = [os.path.abspath(__file__), "--child", mode, "--gib", str(args.gib), "--steps", str(args.steps),
+            "--every", str(args.every), "--workers", str(args.workers), "--dir", mode_dir]
+    return run_quietest(argv, mode, mode_dir, args)
+
+
+def run_rounds(modes: list[str], folder: str, remove: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """``--rounds`` times: a baseline before and after every mode, so each mode's loop overhead is
+    measured against the baselines run right beside it, and their spread shows this machine's drift."""
+    baselines: list[float] = []
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    try:
+        for _ in range(args.rounds):
+            for mode in modes:
+                if not baselines:
+                    baselines.append(run_one("baseline", folder, args)["loop_s"])
+                run = run_one(mode, folder, args)
+                baselines.append(run_one("baseline", folder, args)["loop_s"])
+                if run.get("status") == "ok":
+                    beside = (baselines[-2] + baselines[-1]) / 2
+                    run["baseline_beside_s"] = beside
+                    run["overhead_pct"] = (run["loop_s"] - beside) / beside * 100
+                runs[mode].append(run)
+    finally:
+        if remove:
+            shutil.rmtree(folder, ignore_errors=True)
+    rows = [{"mode": "baseline", "status": "ok", "loop_s": h.median(baselines), "overhead_pct": 0.0,
+             "runs": len(baselines)}]
+    for mode, mode_runs in runs.items():
+        ok = [r for r in mode_runs if r.get("status") == "ok"]
+        if not ok:
+            rows.append(mode_runs[0] if mode_runs else {"mode": mode, "status": "missing"})
+            continue
+        blocked = [b for r in ok for b in r["blocked_ms"]]
+        rows.append({**ok[0], "runs": len(ok), "blocked_ms": blocked,
+                     "blocked_median_ms": h.median(blocked) if blocked else None,
+                     "blocked_p90_ms": h.percentile(blocked, 90) if blocked else None,
+                     "blocked_max_ms": max(blocked) if blocked else None,
+                     "first_save_ms": h.median([r["first_save_ms"] for r in ok]) if blocked else None,
+                     "first_saves_ms": [r["first_save_ms"] for r in ok],
+                     "loop_s": h.median([r["loop_s"] for r in ok]),
+                     "overhead_pct": h.median([r["overhead_pct"] for r in ok]),
+                     "overheads_pct": [round(r["overhead_pct"], 1) for r in ok],
+                     "foreign_cpu_pct": max(r.get("foreign_cpu_pct", 0) for r in ok)})
+    spread = (max(baselines) - min(baselines)) / h.median(baselines) * 100 if baselines else None
+    return {"benchmark": "compare", "args": vars(args), "machine": h.machine_info(),
+            "baseline_loop_s": {"median": h.median(baselines), "runs": baselines, "spread_pct": spread},
+            "modes": rows, "raw": {m: r for m, r in runs.items()}}
 
 
 def run_quietest(argv: list[str], mode: str, mode_dir: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -337,7 +392,12 @@ def print_table(summary: dict[str, Any]) -> None:
     for r in summary["modes"]:
         if r.get("status") != "ok":
             print(f"\n{r['mode']}: {r.get('status')} - {r.get('reason') or r.get('error')}")
-    noisy = [f"{m} {r['foreign_cpu_pct']:.0f}%" for m, r in summary["raw"].items() if r.get("foreign_cpu_pct", 0) > 10]
+    noisy = [f"{r['mode']} {r['foreign_cpu_pct']:.0f}%" for r in ok if r.get("foreign_cpu_pct", 0) > 10]
+    base = summary["baseline_loop_s"]
+    if "spread_pct" in base:
+        print(f"\nbaseline loop: {len(base['runs'])} runs, median {base['median']:.2f} s, spread "
+              f"{base['spread_pct']:.1f}% ({min(base['runs']):.2f}-{max(base['runs']):.2f} s); overhead per run: "
+              + "; ".join(f"{r['mode']} {r['overheads_pct']}" for r in ok if "overheads_pct" in r))
     if noisy:
         print(f"\nwarning: other processes used the CPUs during: {', '.join(noisy)}")
 
@@ -350,7 +410,7 @@ def draw_chart(summary: dict[str, Any], path: str) -> None:
 
     rows = [r for r in summary["modes"] if r.get("status") == "ok" and r["mode"] != "baseline"]
     noisy = [r.get("foreign_cpu_pct", 0) > NOISY_PCT for r in rows]
-    names = [r["mode"] + (" *" if n else "") for r, n in zip(rows, noisy)]
+    names = [r["mode"] + (" *" if n else "") for r, n in zip(rows, noisy, strict=True)]
     colors = ["#d62728" if n.startswith("mpckpt") else "#7f7f7f" if n == "floor" else "#1f77b4" for n in names]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     blocked = [max(r["blocked_median_ms"], 1e-3) for r in rows]
@@ -392,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=20, help="memory sampling period")
     p.add_argument("--wait-quiet-s", type=float, default=120,
                    help="before each mode, wait up to this long for other processes to leave the CPUs idle")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="more than 1: every mode this many times, each between two baselines; medians reported")
     p.add_argument("--retries", type=int, default=2,
                    help=f"run a mode again (at most this often) when other processes used >{NOISY_PCT:.0f}%% of the CPUs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,8 @@ from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJo
 from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_NICE, DEFAULT_START_METHOD
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec
+
+log = logging.getLogger("mpckpt")
 
 DoneCallback = Callable[["Job", "dict[str, Any] | None", "BaseException | None"], None]
 
@@ -397,6 +400,9 @@ class UploaderPool:
             return
         if job.attempts < self.max_attempts and not self._stopping:
             self.retries += 1
+            log.warning("mpckpt: uploader process %s while writing %s of step %s; writing it again "
+                        "(attempt %d of %d)", cause, job.payload.relpath, job.step, job.attempts + 1,
+                        self.max_attempts)
             with self._lock:
                 self._pending.appendleft(job)
             return

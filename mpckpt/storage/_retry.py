@@ -9,12 +9,15 @@ cause. The clock and the random source are parameters so tests never sleep.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from mpckpt.errors import ConfigError, TransientStorageError
+
+log = logging.getLogger("mpckpt")
 
 T = TypeVar("T")
 
@@ -59,5 +62,8 @@ def retry(
                     f"{what}: still failing after {attempts} attempts ({e}); "
                     "check the storage service and the network, then save again"
                 ) from e
-            sleep(backoff_s(attempt, base_s=base_s, max_s=max_s, rng=rng))
+            wait_s = backoff_s(attempt, base_s=base_s, max_s=max_s, rng=rng)
+            log.warning("mpckpt: %s failed (%s); retrying in %.1f s (attempt %d of %d)",
+                        what, e, wait_s, attempt + 2, attempts)
+            sleep(wait_s)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -230,16 +230,19 @@ def test_exit_raises_a_pending_failure(tmp_path):
             ckpt.save(5, {"x": torch.ones(3)})
 
 
-def test_dead_uploader_is_replaced_and_its_job_retried(tmp_path):
+def test_dead_uploader_is_replaced_and_its_job_retried(tmp_path, caplog):
     markers = tmp_path / "m"
     markers.mkdir()
     opts = {"kill_worker": [r"step_0000000001\..*shard-00000"], "marker_dir": str(markers)}
     state = {"a": torch.randn(1000), "b": torch.randn(1000)}
-    with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=2, storage_options=opts) as ckpt:
+    with caplog.at_level("WARNING", logger="mpckpt"), \
+            mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=2, storage_options=opts) as ckpt:
         pids_before = set(ckpt.uploader_pids)
         ckpt.save(1, state)
         ckpt.wait(timeout_s=60)
         assert ckpt.stats.worker_restarts == 1 and ckpt.stats.job_retries == 1
+        assert any("uploader process" in r.getMessage() and "of step 1; writing it again (attempt 2 of" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
         assert set(ckpt.uploader_pids) != pids_before
     assert ckpt.steps() == [1]
     assert_same(state, mpckpt.load(tmp_path / "run"))

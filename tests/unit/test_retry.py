@@ -28,12 +28,16 @@ def test_success_needs_no_sleep() -> None:
     assert sleeps == []
 
 
-def test_transient_errors_are_retried_with_exponential_capped_backoff() -> None:
+def test_transient_errors_are_retried_with_exponential_capped_backoff(caplog) -> None:
     fn = Flaky(*[TransientStorageError("503")] * 4)
     sleeps: list[float] = []
-    assert retry(fn, what="x", attempts=5, base_s=1.0, max_s=5.0, sleep=sleeps.append, rng=lambda: 1.0) == "done"
+    with caplog.at_level("WARNING", logger="mpckpt"):
+        assert retry(fn, what="x", attempts=5, base_s=1.0, max_s=5.0, sleep=sleeps.append, rng=lambda: 1.0) == "done"
     assert fn.calls == 5
     assert sleeps == [1.0, 2.0, 4.0, 5.0]  # doubling, capped at max_s
+    # every retry is a warning naming what, why and which attempt comes next
+    assert [r.getMessage() for r in caplog.records][-1] == "mpckpt: x failed (503); retrying in 5.0 s (attempt 5 of 5)"
+    assert len(caplog.records) == 4
 
 
 def test_jitter_scales_each_wait() -> None:
