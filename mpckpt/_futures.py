@@ -43,6 +43,18 @@ class SaveStats:
         }
 
 
+@dataclass
+class ValidationStats:
+    """One run of ``validate=`` on a committed checkpoint (``Checkpointer.stats.validations``)."""
+
+    step: int
+    status: str = "pending"  # pending | ok | failed
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None  # a ValidationError naming the step, chained to the cause
+    seconds: float = 0.0
+    pid: int | None = None              # the validator process that ran it
+
+
 @dataclass(frozen=True)
 class SaveResult:
     step: int
@@ -116,6 +128,7 @@ class CheckpointerStats:
 
     saves: list[SaveStats] = field(default_factory=list)
     reported: list[dict[str, Any]] = field(default_factory=list)  # report(metrics) without a checkpoint
+    validations: list[ValidationStats] = field(default_factory=list)  # validate=, in commit order
     worker_restarts: int = 0
     job_retries: int = 0
     peak_shm_bytes: int = 0

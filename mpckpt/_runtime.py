@@ -1,7 +1,8 @@
 """What an open Checkpointer holds, and letting go of it, also when nobody closed it.
 
 An open Checkpointer holds the writer lock of its root, uploader processes, shared memory,
-a committer, a deleter and a dispatcher thread. ``Runtime`` owns all of them and never refers back to
+a committer, a deleter and a dispatcher thread (and, with ``validate=``, a validator thread
+and process). ``Runtime`` owns all of them and never refers back to
 the ``Checkpointer`` (its background threads reach only the runtime), so a Checkpointer that
 becomes unreachable without ``close()`` (a notebook variable bound again, a script without
 ``with``) can still be finalized. Its finalizer, and an atexit hook for the end of the
@@ -19,6 +20,7 @@ root in the same process is told that, and how to close the first, instead of a 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import os
@@ -33,7 +35,11 @@ from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import SingleProcess
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._commit.shared import deletion_blockers
 from mpckpt._commit.sink import ErrorSink
+from mpckpt._commit.validation import Validator
+from mpckpt._commit.validation import prepare as prepare_validation
+from mpckpt._commit.validator_process import ValidatorSetup
 from mpckpt._futures import CheckpointerStats
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._stage import shm as _shm
@@ -44,7 +50,7 @@ from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import recover, scan
 from mpckpt.config import Config
-from mpckpt.errors import LockedError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
@@ -109,6 +115,8 @@ class Runtime:
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
         self.schedule = Schedule(config.trigger, opened=time.monotonic())
+        validate_fn = prepare_validation(config.validate, backend)  # refused before anything starts
+        self.validator: Validator | None = None
         self.lock = acquire_writer_lock(backend, owner, where)
         self.pool: UploaderPool | None = None
         self.committer: Committer | None = None
@@ -131,8 +139,17 @@ class Runtime:
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
+            if validate_fn is not None:
+                self.validator = Validator(
+                    ValidatorSetup(spec, validate_fn, config.nice, os.getpid(), environ), ledger=self.ledger,
+                    backend=backend, start_method=config.start_method, timeout_s=config.validate_timeout_s,
+                    stats=self._stats.validations, after=self._validated)
             self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
-                                       retention=config.retention, on_forget=self.saver.frozen.forget_folder)
+                                       retention=config.retention, on_forget=self.saver.frozen.forget_folder,
+                                       let_go=self.saver.frozen.let_go, validating=self.validator is not None,
+                                       held=None if self.validator is None else self.validator.held)
+            if self.validator is not None:
+                self.validator.resume(self.ledger.committed())
             preemption.install()
         except BaseException:
             self._stop_background(timeout_s=5)
@@ -150,20 +167,67 @@ class Runtime:
         """Delete the committed checkpoints newer than ``step``, now, so saving goes on from it."""
         self.wait(self.config.timeout_s)
         self.errors.raise_unseen()
+        committed = self.ledger.committed()
         newer = self.ledger.discard_after(step)
         names = [checkpoint_name(s) for s in newer]
         for name in names:  # later checkpoints reference earlier files, never the reverse
             self.saver.frozen.forget_folder(name)
+        shared = self.saver.frozen.let_go([committed[s] for s in newer if s in committed])
         if names:
             log.info("mpckpt: going on from step %d: deleting the newer checkpoints %s", step, newer)
             assert self.deleter is not None
-            self.deleter.delete(names)
+            self.deleter.delete(names, shared=shared)
             self.deleter.drain(timeout_s=self.config.timeout_s)
         return newer
+
+    def delete(self, steps: list[int], *, damaged: bool) -> None:
+        """Delete these checkpoints now (see ``Checkpointer.delete``); refused as a whole or done."""
+        committed = self.ledger.committed()
+        unknown = sorted(s for s in steps if s not in committed and s not in self.damaged)
+        if unknown:
+            raise CheckpointNotFoundError(f"no checkpoint of step {unknown[0]} in {self.backend.url}; committed "
+                                          f"steps: {sorted(committed)[-20:]}")
+        bad = sorted(s for s in steps if s in self.damaged)
+        if bad and not damaged:
+            raise ConfigError(f"the checkpoints of steps {bad} in {self.backend.url} are damaged, and mpckpt keeps "
+                              f"them since they may be recoverable (mpckpt verify says why); pass damaged=True to "
+                              "delete them")
+        if self.ledger.latest_step() in steps and self.ledger.pending():
+            raise StepOrderError(f"step {self.ledger.latest_step()} is the newest checkpoint and saves are still "
+                                 "pending; wait() for them before deleting it")
+        validating = sorted(set(steps) & (self.validator.in_flight() if self.validator is not None else set()))
+        if validating:
+            raise StepOrderError(f"the checkpoints of steps {validating} are being validated (validate=); wait() for "
+                                 "their validations before deleting them")
+        blockers = deletion_blockers(committed, steps)
+        if blockers:
+            step, users = min(blockers.items())
+            raise ConfigError(f"the checkpoints of steps {users} read files in the folder of step {step} (written "
+                              f"by an mpckpt before shared files); delete them with it, or keep it")
+        going = sorted(s for s in steps if s in committed)
+        names = [checkpoint_name(s) for s in sorted(set(steps), reverse=True)]  # a referencing one first
+        for name in names:
+            self.saver.frozen.forget_folder(name)
+        self.ledger.forget(going)
+        shared = self.saver.frozen.let_go([committed[s] for s in going])
+        for s in steps:
+            self.damaged.pop(s, None)
+        log.info("mpckpt: deleting the checkpoints of steps %s in %s", sorted(set(steps)), self.backend.url)
+        for name in names:  # here, not on the deleter: a failure is the caller's to see
+            self.backend.delete(name)
+        for path in shared:  # INVARIANT: only once no folder that lists them is left
+            self.backend.delete_file(path)
 
     def _opened(self, record: Pending) -> None:
         self._stats.saves.append(record.stats)
         self.errors.watch(record.future)
+        if self.validator is not None:  # validate=: once committed, before retention decides
+            self.ledger.after_commit(record, functools.partial(self.validator.submit, record.step))
+
+    def _validated(self, step: int) -> None:
+        """A validation finished: apply retention again (KeepBest can rank ``step`` now)."""
+        if self.committer is not None:
+            self.committer.reapply_retention(step)
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -181,6 +245,8 @@ class Runtime:
         deadline = time.monotonic() + timeout_s
         self.saver.barrier()
         self.ledger.wait(timeout_s=timeout_s)
+        if self.validator is not None:  # validate=: their metrics, and the retention that follows
+            self.validator.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         if self.deleter is not None:
             self.deleter.drain(timeout_s=max(0.0, deadline - time.monotonic()))
 
@@ -214,6 +280,8 @@ class Runtime:
             self.pool.close(timeout_s=min(timeout_s, 30.0))
         if self.committer is not None:
             self.committer.close(timeout_s=timeout_s)
+        if self.validator is not None:  # after the committer (it hands validations over), before the deleter
+            self.validator.close(timeout_s=min(timeout_s, 30.0))
         if self.deleter is not None:
             self.deleter.close(timeout_s=timeout_s)
         if self.arena is not None:

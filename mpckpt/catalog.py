@@ -7,7 +7,9 @@ cannot be read is reported and kept, never deleted (it may be recoverable). One 
 never stops the scan, and only names mpckpt writes count.
 
 ``recover`` is what opening a root for writing does, once, in one place: a ``Checkpointer``
-and ``mpckpt gc`` both call it (with the writer lock held). ``Catalog`` answers the queries
+and ``mpckpt gc`` both call it (with the writer lock held). It also deletes the files in
+``shared/`` that no manifest lists (a crashed save's, or those of checkpoints deleted by hand:
+``_commit.shared``). ``Catalog`` answers the queries
 over committed checkpoints (steps, latest, best, one manifest) for a live ``Checkpointer``
 (over its ledger's view) and for the command line (over a scan). ``load`` is the reader's
 entry point: no objects needed, never writes, safe beside a live writer.
@@ -21,7 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpckpt._commit.shared import collect_orphans
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MpckptError
+from mpckpt.format import validation
 from mpckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from mpckpt.format.names import MANIFEST_NAME, checkpoint_name, step_of
 from mpckpt.restore import load_checkpoint
@@ -68,13 +72,16 @@ def scan(backend: Backend, *, clean: bool, problems: dict[int, Exception] | None
 
 
 def read_manifest(backend: Backend, name: str) -> Manifest:
-    """The verified manifest of checkpoint folder ``name``; ``CheckpointNotFoundError`` if it has none."""
+    """The verified manifest of checkpoint folder ``name``; ``CheckpointNotFoundError`` if it has none.
+
+    The metrics of its ``validation.json`` (``validate=``), if any, are joined into its metrics.
+    """
     path = f"{name}/{MANIFEST_NAME}"
     manifest = Manifest.from_bytes(backend.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES), path=path)
     if checkpoint_name(manifest.step) != name:
         raise CorruptCheckpointError(f"{path}: the manifest is of step {manifest.step}, not of its folder {name}; "
                                      "a folder copied or renamed by hand is not loaded", path=path)
-    return manifest
+    return validation.joined(manifest, validation.read(backend, name, manifest))
 
 
 @dataclass
@@ -85,6 +92,7 @@ class Recovered:
     damaged: dict[int, Exception] = field(default_factory=dict)  # never deleted, never saved over
     removed_staging: list[str] = field(default_factory=list)
     removed_incomplete: list[str] = field(default_factory=list)
+    removed_shared: list[str] = field(default_factory=list)  # shared files no manifest lists
 
 
 def recover(backend: Backend) -> Recovered:
@@ -94,7 +102,8 @@ def recover(backend: Backend) -> Recovered:
     damaged: dict[int, Exception] = {}
     committed = scan(backend, clean=True, problems=damaged)
     removed = sorted(before - set(backend.list_names()))
-    return Recovered(committed, damaged, list(staging), removed)
+    shared = collect_orphans(backend, committed, damaged)  # after the scan: manifest-less folders list none
+    return Recovered(committed, damaged, list(staging), removed, shared)
 
 
 class Catalog:

@@ -7,6 +7,8 @@ gives a local folder to read (the folder itself on local disk, a verified downlo
 elsewhere) and ``to_directory(path)`` copies it out. A copy streams each file in chunks while
 hashing it, into a hidden partial name that is renamed into place only once the checksum
 matches: a damaged file never appears under its real name, and no file is held whole.
+``load()`` gives a committed state as ``mpckpt.load`` does (what a ``validate=`` function
+is handed: one of these).
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ class Checkpoint:
     @property
     def step(self) -> int | None:
         return self._stored[2].step if self._stored else None
+
+    def load(self, *, allow_pickle: bool = False, classes: bool = True) -> Any:
+        """The plain nested state of a committed state checkpoint, every file verified (as ``mpckpt.load``).
+
+        What a ``validate=`` function calls to evaluate the checkpoint it is given.
+        """
+        if self._stored is None:
+            raise ConfigError(f"{self!r} is a folder of your files, not a committed state; read its files")
+        backend, name, manifest = self._stored
+        if manifest.kind != "state":
+            raise ConfigError(f"the checkpoint of step {manifest.step} is a directory checkpoint (files given to "
+                              "report()), not a state: read its files with as_directory() or to_directory(path)")
+        from mpckpt.restore import load_checkpoint
+
+        return load_checkpoint(backend, name, manifest, allow_pickle=allow_pickle, classes=classes)
 
     def files(self) -> list[str]:
         """Relative paths of the checkpoint's files (as the user wrote them)."""
@@ -94,7 +111,7 @@ class Checkpoint:
             return
         backend, name, manifest = self._stored
         local_root = getattr(backend, "root", None)
-        if local_root and not any(e.ref for e in manifest.files.values()) and \
+        if local_root and not any(e.ref or e.shared for e in manifest.files.values()) and \
                 os.path.isdir(os.path.join(local_root, name)):  # local disk: no copy
             yield _verified_in_place(backend, local_root, name, manifest)
             return
@@ -111,13 +128,14 @@ class Checkpoint:
 def _verified_in_place(backend: Backend, local_root: str, name: str, manifest: Manifest) -> str:
     """The folder of a local directory checkpoint, once it holds exactly what its manifest lists."""
     from mpckpt.errors import CorruptCheckpointError
+    from mpckpt.format.validation import VALIDATION_NAME
     from mpckpt.restore import stream_verified
     from mpckpt.storage import MANIFEST_NAME
 
     for rel in manifest.files:
         stream_verified(backend, name, manifest, rel)
     folder = os.path.join(local_root, name)
-    listed = set(manifest.files) | {MANIFEST_NAME}
+    listed = set(manifest.files) | {MANIFEST_NAME, VALIDATION_NAME}  # validation.json: validate='s metrics
     parents = {rel.rsplit("/", i)[0] for rel in listed for i in range(1, rel.count("/") + 1)}
     for dirpath, dirs, files in os.walk(folder):  # never follows links: they are reported below
         for entry in [*dirs, *files]:

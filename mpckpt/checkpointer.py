@@ -16,7 +16,9 @@ raises what failed.
 
 ``read_only=True`` opens none of that (``_runtime.StorageView``): it lists and restores while
 another process writes. ``preemption=`` installs signal handlers (``_preemption``) that make
-the next ``save`` a due, synchronous one.
+the next ``save`` a due, synchronous one. ``validate=`` runs a function on each committed
+checkpoint in a process of its own (``_commit.validation``); its metrics join the
+checkpoint's, and its failures are logged, never raised (the checkpoint stays).
 
 Errors from the background surface exactly once: on the future if the caller looks there,
 otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step and the cause.
@@ -29,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mpckpt._apply import apply_state
@@ -80,19 +82,22 @@ class Checkpointer:
         start_method: str | None = None,
         environ: Mapping[str, str] | None = None,
         preemption: bool | Sequence[int | str] = False,
+        validate: Callable[[Checkpoint], Mapping[str, float]] | None = None,
+        validate_timeout_s: float | None = None,
         read_only: bool = False,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
             allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
-            start_method=start_method, environ=environ,
+            start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
         )
         signals = parse_signals(preemption)
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
         backend = open_backend(self._spec)
         self._warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
         if read_only is True:
-            writing = {"keep": keep, "keep_last": keep_last, "trigger": trigger, "preemption": signals or None}
+            writing = {"keep": keep, "keep_last": keep_last, "trigger": trigger, "preemption": signals or None,
+                       "validate": validate}
             given = [name for name, value in writing.items() if value is not None]
             if given:
                 raise ConfigError(f"read_only=True with {', '.join(given)}: a read-only Checkpointer never saves "
@@ -283,11 +288,31 @@ class Checkpointer:
         return self._returned(future, mode, started)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until every pending checkpoint is committed or failed; raise unseen failures."""
+        """Block until every pending checkpoint is committed or failed, and every pending
+        validation (``validate=``) has finished; raise unseen upload failures."""
         if self._closed:
             return
         self._rt.wait(self.config.timeout_s if timeout_s is None else timeout_s)
         self._rt.errors.raise_unseen()
+
+    def delete(self, *steps: int, damaged: bool = False) -> None:
+        """Delete the checkpoints of ``steps`` now, whatever the retention policy says.
+
+        Every other checkpoint stays loadable: the shared files a deleted checkpoint used
+        (frozen shards) are deleted only when no committed or pending checkpoint lists them.
+        The newest one may be deleted too (``latest_step`` then goes back), but not while saves
+        are pending (``StepOrderError``: ``wait()`` first); its step is not saved again (steps
+        only increase). Refused as a whole, before anything is deleted: a step that is not
+        there (``CheckpointNotFoundError``), a damaged one unless ``damaged=True`` (kept
+        otherwise, since it may be recoverable), and a folder that a checkpoint written by an
+        mpckpt before shared files reads files from, unless that one is deleted with it
+        (``ConfigError``), one whose validation (``validate=``) is queued or running
+        (``StepOrderError``). The folder's manifest goes first, so a reader never finds it half deleted.
+        """
+        self._check_usable()
+        if not steps:
+            raise ConfigError("delete() needs the steps of the checkpoints to delete")
+        self._writer().delete([self._check_int(s) for s in steps], damaged=damaged)
 
     def _check_usable(self) -> None:
         if self._closed:

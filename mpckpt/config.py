@@ -66,6 +66,7 @@ DEFAULT_POLICY = BudgetPolicy.BLOCK
 DEFAULT_OVERLAP = False
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_JOB_TIMEOUT_S = 300.0
+DEFAULT_VALIDATE_TIMEOUT_S = 3600.0  # one run of validate= (then its process is stopped)
 DEFAULT_MAX_JOB_ATTEMPTS = 3
 DEFAULT_START_METHOD = "forkserver"
 DEFAULT_NICE = 10
@@ -205,6 +206,8 @@ class Config:
     direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
     keep: RetentionPolicy | None = None
     trigger: Trigger | None = None
+    validate: Any = None  # fn(Checkpoint) -> {name: number}, run in the validator process after each commit
+    validate_timeout_s: float = DEFAULT_VALIDATE_TIMEOUT_S
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -233,6 +236,8 @@ class Config:
         direct_io: Any = None,
         keep: Any = None,
         trigger: Any = None,
+        validate: Any = None,
+        validate_timeout_s: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -267,6 +272,11 @@ class Config:
             raise ConfigError(f"{name}={raw!r} is not one of {', '.join(map(repr, START_METHODS))}")
         raw, name = pick(direct_io, "MPCKPT_DIRECT_IO")
         use_direct_io = DEFAULT_DIRECT_IO if raw in (None, "") else _parse_bool(raw, setting=name)
+        raw, name = pick(validate_timeout_s, "MPCKPT_VALIDATE_TIMEOUT_S")
+        validate_timeout = DEFAULT_VALIDATE_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
+        if validate is not None and not callable(validate):
+            raise ConfigError(f"validate={validate!r} is not callable; give a function fn(checkpoint) -> dict of "
+                              "metric names to numbers")
         last = None if keep_last is None else _parse_int(keep_last, setting="keep_last", low=1, high=1 << 31)
         if keep is not None and not isinstance(keep, RetentionPolicy):
             raise ConfigError(f"keep={keep!r} is not a retention policy; give one such as mpckpt.KeepLast(3), "
@@ -280,6 +290,8 @@ class Config:
             keep_last=last,
             keep=keep,
             trigger=check_trigger(trigger),
+            validate=validate,
+            validate_timeout_s=validate_timeout,
             timeout_s=timeout,
             job_timeout_s=job_timeout,
             start_method=method,

@@ -12,6 +12,9 @@
     ├── CorruptCheckpointError           a checksum, size, header or manifest does not verify
     │   └── UnsupportedFormatError       written by a newer mpckpt format version
     ├── UploadError                      a background upload failed (carries step and shard)
+    ├── ValidationError                  validate= failed for a committed checkpoint (carries the
+    │                                    step); logged and kept in stats, never raised: the
+    │                                    checkpoint stays committed
     ├── BudgetError                      the memory budget cannot be honoured (also TimeoutError
     │                                    subclasses below for bounded waits)
     ├── WaitTimeoutError(TimeoutError)   a bounded wait ran out
@@ -104,6 +107,14 @@ def upload_error(step: int | None, what: str, cause: BaseException | None = None
     error = UploadError(message, step=step, shard=shard)
     error.__cause__ = cause
     return error
+
+
+class ValidationError(MpckptError):
+    """``validate=`` failed for a committed checkpoint (the checkpoint stays; see ``stats.validations``)."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class BudgetError(MpckptError):

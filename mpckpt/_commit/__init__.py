@@ -2,5 +2,7 @@
 
 ``ledger`` owns every checkpoint record and every change to it, ``committer`` commits them in
 order through the ``coordinator`` seam and applies retention, ``deleter`` deletes what
-retention let go of, and ``sink`` is the one place background failures are raised from.
+retention let go of, ``shared`` says who uses which file outside its own folder (shared files,
+older references) and removes the shared files no manifest lists, and ``sink`` is the one
+place background failures are raised from.
 """

@@ -7,15 +7,20 @@ For each record the ledger hands over (``Ledger.next_settled``, strictly in sequ
   INFO line (step, MiB written, blocked ms, persist ms, MB/s). Then, in
   this order: the record's after-commit work (what later saves may reference, deleting the
   user's local folder after an upload), the retention policy's decision (the doomed
-  checkpoints are forgotten at once, so nothing lists or references them again), the
-  caller's future, and last the deletion, handed to the ``Deleter`` so the next commit never
-  waits for it;
-* failed: abort its staging folder and fail its future with an ``UploadError`` naming the
-  step and the cause;
+  checkpoints are forgotten at once, so nothing lists or references them again, and so are
+  their shared files that no committed or pending checkpoint lists any more), the caller's
+  future, and last the deletion, handed to the ``Deleter`` so the next commit never waits for it;
+* failed: abort its staging folder, delete what it wrote into ``shared/``, and fail its
+  future with an ``UploadError`` naming the step and the cause;
 * dropped (skipped or coalesced): resolve its future with no checkpoint.
 
 INVARIANT: nothing after the commit can undo it or stop later commits: a failure in
 after-commit work or retention is logged, and the next record is committed regardless.
+
+With ``validate=`` the after-commit work hands the checkpoint to the validator
+(``_commit/validation.py``); retention never deletes a step it ``held`` (validation queued,
+running or failed), and ``reapply_retention`` runs it again once a validation has finished
+(one decision at a time: ``_retention_lock``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from mpckpt._commit.coordinator import Coordinator
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt.errors import MpckptError, UploadError, upload_error
-from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum, format_version_for
+from mpckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, checkpoint_name, checksum, format_version_for
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.storage import Backend
 
@@ -48,7 +53,12 @@ class Committer:
     deleter: Deleter
     retention: RetentionPolicy | None = None
     on_forget: Callable[[str], None] | None = None  # a folder retention deletes: never reference it again
+    # the shared files of deleted checkpoints that nothing lists any more (``FrozenShards.let_go``)
+    let_go: Callable[[list[Manifest]], list[str]] | None = None
+    validating: bool = False  # validate= given: manifests say a validation.json may join metrics
+    held: Callable[[], set[int]] | None = None  # steps retention must keep (validation pending or failed)
     _thread: threading.Thread = field(init=False)
+    _retention_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
@@ -80,13 +90,14 @@ class Committer:
                          stats.persist_ms, stats.mb_per_s)
                 for work in record.after_commit:
                     _run_quietly(work, record.step, "after committing")
-                doomed = self._apply_retention(record)
+                with self._retention_lock:
+                    doomed, shared = self._apply_retention(record.step)
                 record.future._resolve(record.name)
-                if doomed:  # deletions run after the caller has its answer
-                    self.deleter.delete(doomed)
+                self.deleter.delete(doomed, shared=shared)  # after the caller has its answer
                 return
         if record.outcome == "failed":
             _run_quietly(lambda: self.backend.abort(record.staging), record.step, "removing the failed attempt of")
+            self._drop_shared(record)
             error = record.error
             if not isinstance(error, UploadError):
                 error = upload_error(record.step, "checkpoint not committed", error)
@@ -102,29 +113,51 @@ class Committer:
             self.backend.write_file(f"{record.staging}/{rel}", [data])
             files[rel] = FileEntry(len(data), checksum(data))
         manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics,
-                            format_version=format_version_for(record.kind), world_size=self.coordinator.world_size,
-                            figures=_figures(record))
+                            format_version=format_version_for(record.kind, files),
+                            world_size=self.coordinator.world_size,
+                            figures=_figures(record), validate=self.validating)
         # INVARIANT: every data file is durable before the manifest is written (commit does it last).
         return self.coordinator.commit(record.staging, record.name, manifest)
 
-    def _apply_retention(self, record: Pending) -> list[str]:
-        """Forget the checkpoints the policy lets go of; return their folders to delete."""
+    def _drop_shared(self, record: Pending) -> None:
+        """Delete what a failed save wrote into ``shared/`` (new names: nothing else lists them),
+        unless its manifest landed after all (a lost reply): then the next open decides."""
+        if not record.shared:
+            return
+        try:
+            if self.backend.exists(f"{record.name}/{MANIFEST_NAME}"):
+                return
+        except MpckptError:
+            return  # cannot tell: `mpckpt gc` and the next open remove what no manifest lists
+        self.deleter.delete([], shared=sorted(record.shared.values()))
+
+    def reapply_retention(self, step: int) -> None:
+        """Apply retention again (a validation of ``step`` gave it its metrics, or failed)."""
+        with self._retention_lock:
+            doomed, shared = self._apply_retention(step)
+        self.deleter.delete(doomed, shared=shared)
+
+    def _apply_retention(self, step_done: int) -> tuple[list[str], list[str]]:
+        """Forget the checkpoints the policy lets go of; return their folders, and the shared
+        files nothing lists once they are gone, to delete."""
         if self.retention is None:
-            return []
+            return [], []
         try:
             committed = sorted(self.ledger.committed().items())
             referenced = self.ledger.referenced_folders()
+            held = self.held() if self.held is not None else set()
             keep = self.retention.keep(committed)
-            doomed = [(step, checkpoint_name(step)) for (step, _), kept in zip(committed, keep, strict=True)
-                      if not kept and checkpoint_name(step) not in referenced]
-            for _, name in doomed:
+            doomed = [(step, m) for (step, m), kept in zip(committed, keep, strict=True)
+                      if not kept and checkpoint_name(step) not in referenced and step not in held]
+            for step, _ in doomed:
                 if self.on_forget is not None:
-                    self.on_forget(name)
+                    self.on_forget(checkpoint_name(step))
             self.ledger.forget([step for step, _ in doomed])
-            return [name for _, name in doomed]
+            shared = self.let_go([m for _, m in doomed]) if self.let_go is not None else []
+            return [checkpoint_name(step) for step, _ in doomed], shared
         except Exception as e:  # the commit stands; retention failing must not stop commits
-            log.warning("mpckpt: retention after step %d failed: %s", record.step, e)
-            return []
+            log.warning("mpckpt: retention after step %d failed: %s", step_done, e)
+            return [], []
 
 
 def _figures(record: Pending) -> dict[str, float | int | None]:

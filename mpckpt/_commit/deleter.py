@@ -6,9 +6,14 @@ delete on an object store (one request per file) never holds up the next commit.
 removes the manifest first (``Backend.delete``), so a reader never finds a half-deleted
 checkpoint that still looks committed.
 
+Each hand-over is a batch: checkpoint folders, then the shared files that no checkpoint
+lists once they are gone. INVARIANT: a batch's shared files are deleted only after every
+folder of the batch was deleted: a checkpoint that is still listed never loses a file.
+
 A failed delete is logged as a warning naming the folder and left for ``mpckpt gc``: the
 checkpoint was already forgotten, and what is left of it is never mistaken for a commit
-(``gc`` removes manifest-less folders). ``drain`` and ``close`` wait a bounded time.
+(``gc`` removes manifest-less folders, and shared files no manifest lists; the next open
+does too). ``drain`` and ``close`` wait a bounded time.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from mpckpt.errors import MpckptError, WaitTimeoutError
 from mpckpt.storage import Backend
@@ -29,16 +35,19 @@ class Deleter:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._queue: collections.deque[str] = collections.deque()
+        self._queue: collections.deque[tuple[list[str], list[str]]] = collections.deque()
         self._busy = False
         self._stopping = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="mpckpt-deleter", daemon=True)
         self._thread.start()
 
-    def delete(self, names: list[str]) -> None:
+    def delete(self, names: list[str], *, shared: list[str] | None = None) -> None:
+        """Delete checkpoint folders ``names`` (in this order), then the ``shared`` files."""
+        if not names and not shared:
+            return
         with self._cond:
-            self._queue.extend(names)
+            self._queue.append((list(names), list(shared or ())))
             self._cond.notify_all()
 
     def drain(self, *, timeout_s: float) -> None:
@@ -69,17 +78,26 @@ class Deleter:
                     self._cond.wait()
                 if not self._queue:
                     return
-                name = self._queue.popleft()
+                names, shared = self._queue.popleft()
                 self._busy = True
             try:
-                self.backend.delete(name)
-            except (MpckptError, OSError) as e:
-                log.warning("mpckpt: could not delete %s (retention) in %s: %s; `mpckpt gc` removes "
-                            "what is left", name, self.backend.url, e)
-            except Exception as e:  # a bug: logged with its traceback, deletions go on
-                log.error("mpckpt: deleting %s in %s: %s: %s", name, self.backend.url, type(e).__name__, e,
-                          exc_info=e)
+                # INVARIANT: shared files only once every folder listing them is gone
+                if all(self._quietly(self.backend.delete, name) for name in names):
+                    for path in shared:
+                        self._quietly(self.backend.delete_file, path)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _quietly(self, delete: Callable[[str], None], name: str) -> bool:
+        """Delete one folder or file; a failure is logged (``mpckpt gc`` removes what is left)."""
+        try:
+            delete(name)
+            return True
+        except (MpckptError, OSError) as e:
+            log.warning("mpckpt: could not delete %s in %s: %s; `mpckpt gc` removes what is left", name,
+                        self.backend.url, e)
+        except Exception as e:  # a bug: logged with its traceback, deletions go on
+            log.error("mpckpt: deleting %s in %s: %s: %s", name, self.backend.url, type(e).__name__, e, exc_info=e)
+        return False

@@ -44,6 +44,8 @@ class Pending:
     staging: str                                # where its files are written until the commit
     metrics: dict[str, Any] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)
+    # files its jobs write into shared/ rather than its staging folder: manifest name -> path
+    shared: dict[str, str] = field(default_factory=dict)
     # written by the committer; a callable is serialised there, off the training thread
     small_files: dict[str, bytes | Callable[[], bytes]] = field(default_factory=dict)
     jobs_left: int = 0
@@ -108,6 +110,15 @@ class Ledger:
             manifests += [dict(r.files).values() for r in self._pending.values()]
         return {e.ref for files in manifests for e in files if e.ref}
 
+    def referenced_shared(self) -> set[str]:
+        """Shared files a committed or pending checkpoint lists or is writing (never deleted)."""
+        with self._cond:
+            used = {p for m in self._committed.values() for p in m.shared_files()}
+            for r in self._pending.values():
+                used.update(r.shared.values())
+                used.update(e.shared for e in r.files.values() if e.shared is not None)
+        return used
+
     # -- opening and filling a record (the training thread) ----------------------------------------
     @contextlib.contextmanager
     def recording(self, step: int, kind: str, stats: SaveStats, metrics: dict[str, Any], *,
@@ -146,6 +157,11 @@ class Ledger:
         """Files already durable (referenced or adopted): no job writes them."""
         with self._cond:
             record.files.update(files)
+
+    def add_shared(self, record: Pending, paths: dict[str, str]) -> None:
+        """Files of ``record`` its jobs write to these paths in ``shared/`` (manifest name -> path)."""
+        with self._cond:
+            record.shared.update(paths)
 
     def add_jobs(self, record: Pending, count: int) -> None:
         with self._cond:
@@ -202,7 +218,8 @@ class Ledger:
         """The pool callback for one file of ``record``: record its entry, or the failure."""
 
         def done(job: Any, result: dict[str, Any] | None, error: BaseException | None) -> None:
-            rel = job.payload.relpath[len(record.staging) + 1:]
+            path = job.payload.relpath
+            rel = next((k for k, v in record.shared.items() if v == path), path[len(record.staging) + 1:])
             with self._cond:
                 record.jobs_left -= 1
                 if error is not None:
@@ -212,7 +229,7 @@ class Ledger:
                         record.error = record.error or failure
                 else:
                     assert result is not None
-                    record.files[rel] = FileEntry(result["size"], result["checksum"])
+                    record.files[rel] = FileEntry(result["size"], result["checksum"], shared=record.shared.get(rel))
                     if record.jobs_left == 0 and record.submitted_all and record.outcome is None:
                         record.outcome = "persisted"
                 self._cond.notify_all()
@@ -238,6 +255,16 @@ class Ledger:
             self._committed[record.step] = manifest
             record.stats.status = "committed"
             record.stats.persist_ms = (time.perf_counter() - record.snapshot_done_at) * 1e3
+
+    def update_committed(self, step: int, change: Callable[[Manifest], Manifest]) -> bool:
+        """Replace committed ``step``'s manifest by ``change(manifest)`` in this view (validation
+        metrics joined; storage is not touched). False if ``step`` is no longer committed."""
+        with self._cond:
+            manifest = self._committed.get(step)
+            if manifest is None:
+                return False
+            self._committed[step] = change(manifest)
+            return True
 
     def mark_failed(self, record: Pending, error: BaseException) -> None:
         with self._cond:

@@ -9,9 +9,10 @@ wave now) or overlapped (``overlap``: parameters and optimizer state are copied 
 background until the next ``optimizer.step()``). Each wave's slab goes back to the budget when
 the last shard written from it is durable.
 
-Nothing here touches storage: the jobs carry the checkpoint's staging path, which the pool's
-dispatcher thread makes before the first of them is sent (``Backend.prepare_staging``), and
-the committer writes the skeleton and the manifest.
+Nothing here touches storage: the jobs carry the checkpoint's staging path (or, for a frozen
+shard, its new path in ``shared/``: ``reuse``), which the pool's dispatcher thread makes
+before the first of them is sent (``Backend.prepare_staging``), and the committer writes the
+skeleton and the manifest.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class Snapshotter:
 
         done = self.ledger.job_done(record, "writing shard", then=wave_done)
         self.pool.submit(*(
-            Job("write", WriteJob(f"{record.staging}/{shard.filename}", slab.name, slab.capacity,
+            Job("write", WriteJob(reuse.target(record.staging, shard.filename), slab.name, slab.capacity,
                                   shard.offset, shard.nbytes, shard.header), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.backend.prepare_staging(record.staging))

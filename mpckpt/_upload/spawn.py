@@ -12,9 +12,11 @@ dataclass. Importing the script anyway is what broke three kinds of users:
   ``<stdin>`` is not a file the child can import;
 * every uploader paid for the imports of the user's script (torch, the model code).
 
-So for processes named ``mpckpt-uploader`` the preparation data sent to the child leaves the
-main module out, and the fork server preloads ``mpckpt._upload.server`` (the worker module, and
-ignoring the job signals a scheduler sends to the whole group) instead of ``__main__``. Other
+So for processes named ``mpckpt-uploader`` (and the ``mpckpt-validator`` that runs
+``validate=``, whose function travels by value: ``_commit/validator_process.py``) the
+preparation data sent to the child leaves the main module out, and the fork server preloads
+``mpckpt._upload.server`` (the worker module, and ignoring the job signals a scheduler sends
+to the whole group) instead of ``__main__``. Other
 processes started with ``multiprocess`` in the same program keep their main module.
 
 What the uploaders do get from the training process is its environment *at the time the
@@ -32,6 +34,8 @@ import multiprocess
 import multiprocess.spawn as _mp_spawn
 
 PROCESS_NAME = "mpckpt-uploader"
+VALIDATOR_NAME = "mpckpt-validator"
+_WITHOUT_MAIN = (PROCESS_NAME, VALIDATOR_NAME)
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _installed = threading.Lock()
 
@@ -40,7 +44,7 @@ def _without_main(original: Any) -> Any:
     @functools.wraps(original)
     def get_preparation_data(name: str) -> dict[str, Any]:
         data: dict[str, Any] = original(name)
-        if isinstance(name, str) and name.startswith(PROCESS_NAME):
+        if isinstance(name, str) and name.startswith(_WITHOUT_MAIN):
             for key in _MAIN_KEYS:
                 data.pop(key, None)
         return data

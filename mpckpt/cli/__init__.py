@@ -13,16 +13,22 @@
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
     mpckpt gc [ROOT ...]        remove shared memory of dead trainers, and staging and
-                                manifest-less folders under each ROOT (takes the writer lock,
-                                so it refuses while a live trainer writes there); never
-                                removes a folder that has a manifest, damaged or not
+                                manifest-less folders and shared files no checkpoint uses under
+                                each ROOT (takes the writer lock, so it refuses while a live
+                                trainer writes there); never removes a folder that has a
+                                manifest, damaged or not
+    mpckpt rm ROOT STEP [STEP ...] [--damaged]
+                                delete checkpoints (the newest too; damaged ones only with
+                                --damaged), then the shared files no checkpoint uses any more;
+                                the others stay loadable (takes the writer lock, as gc does)
 
 ``--json`` (ls, info, stats) prints one JSON document instead of the table. Every ROOT is a
 path or any URL a Checkpointer takes (``--storage-options`` for credentials and endpoints).
 
 Exit status: 0 on success; 1 when a root cannot be read, a checkpoint does not verify or a
 folder is damaged, or a root is locked; 2 on bad arguments: what argparse refuses, a step
-that is not there (info, export: the message names the steps there are), an export target
+that is not there (info, export, rm: the message names the steps there are), a damaged step
+or one whose folder another checkpoint reads given to rm without what it needs, an export target
 that exists (without --force) or has an unknown suffix, a prefix that names nothing,
 --storage-options that is not JSON. ``verify --step`` of a step that is not there is a
 failed check: 1. Everything printed that comes from storage (file names, metrics, error
@@ -30,7 +36,7 @@ messages quoting them) has its control characters escaped, so a hostile manifest
 drive the terminal.
 
 This module owns the argument parser and the dispatch; each command is one module with a
-``run(args) -> int`` (``ls``, ``info``, ``verify``, ``export``, ``stats``, ``gc``), and
+``run(args) -> int`` (``ls``, ``info``, ``verify``, ``export``, ``stats``, ``gc``, ``rm``), and
 ``_common`` holds what they share: the escaping, opening a root, finding a step, turning an
 ``MpckptError`` into exit status 1 (``BadArguments``: 2), times, sizes and dotted paths.
 """
@@ -39,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 
-from mpckpt.cli import export, gc, info, ls, stats, verify
+from mpckpt.cli import export, gc, info, ls, rm, stats, verify
 from mpckpt.cli._common import exit_status, route_library_log
 
 __all__ = ["main"]
@@ -81,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="remove orphaned shared memory and incomplete folders")
     p.add_argument("roots", nargs="*")
     p.set_defaults(fn=gc.run)
+    p = sub.add_parser("rm", help="delete checkpoints; the others stay loadable")
+    p.add_argument("root")
+    p.add_argument("steps", type=_step, nargs="+", metavar="STEP")
+    p.add_argument("--damaged", action="store_true", help="also delete the damaged ones named (otherwise kept: "
+                   "they may be recoverable)")
+    p.set_defaults(fn=rm.run)
     return parser
 
 

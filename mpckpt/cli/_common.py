@@ -125,8 +125,13 @@ def iso_time(unix: float) -> str:
 
 
 def own_bytes(manifest: Manifest) -> int:
-    """Bytes in the checkpoint's own folder (files referenced from an earlier one excluded)."""
-    return sum(e.size for e in manifest.files.values() if e.ref is None)
+    """Bytes in the checkpoint's own folder (shared files, and files of an earlier one, excluded)."""
+    return sum(e.size for e in manifest.files.values() if e.ref is None and e.shared is None)
+
+
+def shared_bytes(manifest: Manifest) -> int:
+    """Bytes of the files in ``shared/`` the checkpoint lists (other checkpoints may list them too)."""
+    return sum(e.size for e in manifest.files.values() if e.shared is not None)
 
 
 def total_bytes(manifest: Manifest) -> int:

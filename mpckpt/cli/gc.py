@@ -2,8 +2,9 @@
 
 Shared memory of dead trainers first (segments without an owner file are left alone and
 named: only root in the host's PID namespace can tell whether they are in use), then, under
-each ROOT, staging and manifest-less folders, by the same ``catalog.recover`` that opening a
-Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
+each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
+(a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
+that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
 INVARIANT: a folder with a manifest is never removed, damaged or not.
 """
 
@@ -47,6 +48,8 @@ def _gc_root(root: str, options: str | None) -> int:
         say(f"{root}: removed staging folder {name}")
     for name in found.removed_incomplete:
         say(f"{root}: removed incomplete checkpoint {name}")
+    for path in found.removed_shared:
+        say(f"{root}: removed shared file {path}: no checkpoint uses it")
     for step in sorted(found.damaged):
         complain(f"{root}: kept damaged step {step} (never deleted: it may be recoverable): {found.damaged[step]}")
     return 0

@@ -5,12 +5,17 @@ step, the sequence number, the metrics and the format version, and carries a che
 own canonical text so that a torn or edited manifest is refused rather than trusted. It is
 always written last (see ``mpckpt.storage.base``).
 
-A file may live in an earlier checkpoint's folder (``ref``): unchanged tensors are then
-referenced, not written again. Retention never deletes a folder still referenced.
+A file may live outside the checkpoint's folder: in ``shared/`` (``shared``, format version
+3: frozen shards several checkpoints use; a shared file lives as long as any manifest lists
+it), or, as an mpckpt before version 3 wrote them, in an earlier checkpoint's folder (``ref``;
+still read, and such a folder is never deleted while a checkpoint references it).
 
 ``figures`` (optional) is what the save cost, as the committer measured it (``mpckpt
 stats``). Optional keys like it do not change the format version: every mpckpt ignores keys
 it does not know (the checksum covers them all), and a manifest without them still loads.
+So is ``validate`` (true when saved with ``validate=``): the metrics a validation computes
+after the commit live in ``validation.json`` beside it (``format/validation.py``), because a
+committed manifest is never replaced; readers join them into ``metrics`` (``validation``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +37,12 @@ from mpckpt.format.names import (  # noqa: F401 -- re-exported: the names of the
     USER_FILES,
     check_relpath,
     checkpoint_name,
+    is_shared_path,
     step_of,
 )
 
 FORMAT_NAME = "mpckpt"
-FORMAT_VERSION = 2  # the newest this mpckpt reads; see ``format_version_for``
+FORMAT_VERSION = 3  # the newest this mpckpt reads; see ``format_version_for``
 CHECKSUM_ALGO = "xxh3_64"
 KINDS = ("state", "directory")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
@@ -44,14 +51,18 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is n
 FIGURES = ("blocked_ms", "snapshot_ms", "persist_ms", "bytes", "written_bytes")
 
 
-def format_version_for(kind: str) -> int:
-    """The format version a new manifest of ``kind`` is written in.
+def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None) -> int:
+    """The format version a new manifest of ``kind`` listing ``files`` is written in.
 
     Version 2 keeps a directory checkpoint's files under ``files/``, so that no file of the
     user's (their own ``manifest.json``) can collide with mpckpt's; an mpckpt that reads only
-    version 1 then refuses it rather than hand back a ``files/`` folder. A state is unchanged
-    and stays version 1, readable by every mpckpt.
+    version 1 then refuses it rather than hand back a ``files/`` folder. Version 3: a state
+    that lists files in ``shared/``; an older mpckpt would look for them in the checkpoint's
+    folder, so it refuses the manifest instead ("upgrade mpckpt"). A state without shared
+    files stays version 1, readable by every mpckpt.
     """
+    if files is not None and any(e.shared is not None for e in files.values()):
+        return 3
     return 2 if kind == "directory" else 1
 
 
@@ -63,12 +74,15 @@ def checksum(data: bytes | memoryview) -> str:
 class FileEntry:
     size: int
     checksum: str
-    ref: str | None = None  # name of the checkpoint folder that holds the file, if not this one
+    ref: str | None = None  # name of the checkpoint folder that holds the file (before version 3)
+    shared: str | None = None  # its path in ``shared/`` (version 3), if it lives there
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"size": self.size, CHECKSUM_ALGO: self.checksum}
         if self.ref is not None:
             doc["ref"] = self.ref
+        if self.shared is not None:
+            doc["shared"] = self.shared
         return doc
 
 
@@ -83,6 +97,9 @@ class Manifest:
     world_size: int = 1
     format_version: int = FORMAT_VERSION
     figures: dict[str, float | int | None] | None = None  # see FIGURES; None: not recorded
+    validate: bool = False  # saved with validate=: a validation.json may add metrics (format/validation.py)
+    # the metrics of that validation.json as a reader joined them into ``metrics``; never written here
+    validation: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def user_prefix(self) -> str:
@@ -97,7 +114,15 @@ class Manifest:
     def location(self, name: str, relpath: str) -> str:
         """Path (relative to the root) of file ``relpath`` of checkpoint ``name``."""
         entry = self.files[relpath]
-        return f"{entry.ref or name}/{relpath}"
+        return entry.shared or f"{entry.ref or name}/{relpath}"
+
+    def shared_files(self) -> set[str]:
+        """Paths of the files in ``shared/`` this checkpoint lists (it keeps each alive)."""
+        return {e.shared for e in self.files.values() if e.shared is not None}
+
+    def referenced_folders(self) -> set[str]:
+        """Other checkpoints' folders this one reads files from (``ref``, before version 3)."""
+        return {e.ref for e in self.files.values() if e.ref is not None}
 
     def to_bytes(self) -> bytes:
         body = {
@@ -113,6 +138,10 @@ class Manifest:
         }
         if self.figures is not None:
             body["figures"] = dict(self.figures)
+        if self.validation is not None:
+            raise ValueError("a manifest with validation metrics joined is a reader's view; write the committed one")
+        if self.validate:
+            body["validate"] = True
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         body["manifest_checksum"] = checksum(canonical.encode())
         return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
@@ -147,13 +176,16 @@ class Manifest:
             files = {}
             for rel, entry in body["files"].items():
                 check_relpath(rel)
-                ref = entry.get("ref")
+                ref, shared = entry.get("ref"), entry.get("shared")
                 if ref is not None and step_of(ref) is None:
                     raise ValueError(f"file {rel!r} refers to {ref!r}, which is not a checkpoint folder")
+                if shared is not None and (version < 3 or ref is not None or not is_shared_path(shared)):
+                    raise ValueError(f"file {rel!r} names {str(shared)[:80]!r} as its shared file, which is not "
+                                     "a file in shared/ of a version 3 manifest")
                 size = entry["size"]
                 if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                     raise ValueError(f"file {rel!r} has a bad size {size!r}")
-                files[rel] = FileEntry(size, str(entry[CHECKSUM_ALGO]), ref)
+                files[rel] = FileEntry(size, str(entry[CHECKSUM_ALGO]), ref, shared)
             step, seq = body["step"], body["seq"]
             for key, value in (("step", step), ("seq", seq)):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -168,6 +200,7 @@ class Manifest:
                 world_size=int(body.get("world_size", 1)),
                 format_version=version,
                 figures=_figures(body.get("figures")),
+                validate=body.get("validate") is True,
             )
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: manifest is malformed ({str(e)[:200]})", path=path) from e

@@ -4,15 +4,19 @@ A root holds one folder per checkpoint, ``step_<step, 10+ digits>`` (``checkpoin
 ``step_of`` accepts exactly those names and nothing else, so a stray ``step_2`` or
 ``step_²`` is never read as, or instead of, a checkpoint). In a folder: ``manifest.json``,
 written last, whose presence makes the checkpoint exist; ``skeleton.json`` and the shards of
-a state; the user's files of a directory checkpoint under ``files/``. Every path below the
-root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage backends and
-the format both use these names: they live here, below both.
+a state; the user's files of a directory checkpoint under ``files/``. Files that several
+checkpoints use (frozen shards) live in ``shared/``, each under a name no other file ever had
+(``shared_path``: the step that wrote it, a random token, the shard's file name), so a shared
+file is never overwritten and deleting any one checkpoint folder never takes it away. Every
+path below the root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage
+backends and the format both use these names: they live here, below both.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
+import secrets
 
 from mpckpt.errors import ConfigError
 
@@ -20,7 +24,9 @@ MANIFEST_NAME = "manifest.json"
 SKELETON_NAME = "skeleton.json"
 USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (format version 2)
 STEP_PREFIX = "step_"
+SHARED_FOLDER = "shared"  # files several checkpoints use (format version 3)
 _STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
+_SHARED_PATH_RE = re.compile(r"shared/[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 def checkpoint_name(step: int) -> str:
@@ -39,6 +45,20 @@ def step_of(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if checkpoint_name(step) == name else None
+
+
+def shared_path(step: int, filename: str) -> str:
+    """A new, never used path in ``shared/`` for file ``filename`` written by the save of ``step``.
+
+    No I/O (``save`` calls it on the training thread): 96 random bits make it unique, so a
+    file there is written once and never replaced (object stores have no rename to publish it).
+    """
+    return f"{SHARED_FOLDER}/{checkpoint_name(step)}.{secrets.token_hex(12)}.{filename}"
+
+
+def is_shared_path(path: str) -> bool:
+    """Whether ``path`` names a file directly in ``shared/`` (one component, no link tricks)."""
+    return isinstance(path, str) and _SHARED_PATH_RE.fullmatch(path) is not None and ".." not in path
 
 
 def check_relpath(relpath: str) -> str:

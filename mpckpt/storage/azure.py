@@ -52,7 +52,7 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import redact_url, scrub
-from mpckpt.storage.base import Buffer
+from mpckpt.storage.base import Buffer, check_relpath
 from mpckpt.storage.object_store import MPCKPT_OPTIONS, ObjectStoreBackend, positive_int
 
 DEFAULT_BLOCK_SIZE = 8 << 20
@@ -379,6 +379,18 @@ class AzureBlobBackend(ObjectStoreBackend):
             return sorted(i.name[len(start):].rstrip("/") for i in items if i.name.endswith("/"))
         try:
             return self._call(f"list {self.url}", walk)
+        except CheckpointNotFoundError:
+            return []
+
+    def list_files(self, folder: str) -> list[str]:
+        rel = check_relpath(folder)
+        start = self._key(rel) + "/"
+
+        def walk() -> list[str]:
+            items = self._container.walk_blobs(name_starts_with=start, delimiter="/")
+            return sorted(f"{rel}/{i.name[len(start):]}" for i in items if not i.name.endswith("/"))
+        try:
+            return self._call(f"list {self._show(rel)}", walk)
         except CheckpointNotFoundError:
             return []
 

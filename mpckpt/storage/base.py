@@ -13,6 +13,11 @@ Two commit protocols exist because storages differ in what they make atomic:
   written there, and ``commit`` writes the manifest last with a create-only condition. Until
   the manifest exists the checkpoint does not exist for any reader.
 
+Files several checkpoints use are written under ``shared/`` with names never used before
+(``format.names.shared_path``), straight to their final place, durably (local disk also
+syncs the folder entry), before any manifest lists them; they are never renamed or replaced,
+so both protocols serve them as they are.
+
 Either way: a checkpoint without a valid manifest is never listed or loaded, and ``commit``
 raises ``CommitConflictError`` rather than replace a manifest that is already there. It is the
 only place a taken name is refused: ``staging_name`` runs inside ``save()`` on the training
@@ -139,6 +144,14 @@ class Backend(Protocol):
         """Names of the top-level folders under the root (committed or not; never links)."""
         ...
 
+    def list_files(self, folder: str) -> list[str]:
+        """Paths (relative to the root) of the files directly in ``folder``; ``[]`` if there is none.
+
+        Only regular files (never a link, never what is in a subfolder); ``shared/`` is the
+        folder mpckpt lists, to find shared files no manifest lists any more.
+        """
+        ...
+
     def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
         """A whole (small) file. ``CheckpointNotFoundError`` if it does not exist.
 
@@ -167,6 +180,14 @@ class Backend(Protocol):
         """Delete checkpoint folder ``name``: manifest first, so it stops existing at once.
 
         Never deletes through a link: a link at ``name`` is removed itself, never its target.
+        """
+        ...
+
+    def delete_file(self, relpath: str) -> None:
+        """Delete one file (a shared file no manifest lists any more); quiet when it is not there.
+
+        A link there is removed itself, never its target; a folder there is not a file of ours
+        and is left alone.
         """
         ...
 

@@ -34,7 +34,7 @@ from mpckpt.errors import (
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import scrub
 from mpckpt.storage._retry import PROGRAMMING_ERRORS
-from mpckpt.storage.base import Buffer
+from mpckpt.storage.base import Buffer, check_relpath
 from mpckpt.storage.object_store import MPCKPT_OPTIONS as MPCKPT_OPTIONS  # the options mpckpt reads itself
 from mpckpt.storage.object_store import ObjectStoreBackend
 
@@ -275,6 +275,20 @@ class FsspecBackend(ObjectStoreBackend):
                 return []
             return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
         return self._call(f"list {self.url}", ls)
+
+    def list_files(self, folder: str) -> list[str]:
+        path = self._key(folder)
+        rel = check_relpath(folder)
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted(f"{rel}/{posixpath.basename(e['name'].rstrip('/'))}" for e in entries
+                          if e.get("type") == "file")
+        return self._call(f"list {self._show(folder)}", ls)
 
     def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
         path = self._key(relpath)

@@ -124,6 +124,8 @@ class LocalBackend:
                 if create and (create_staging or not (i == 0 and part.startswith(STAGING_PREFIX))):
                     try:
                         os.mkdir(part, 0o755, dir_fd=fd)
+                        if not parts[0].startswith(STAGING_PREFIX):  # (commit syncs a staging tree)
+                            os.fsync(fd)  # shared/: its entry survives a power cut before any commit
                     except FileExistsError:
                         pass
                     except OSError as e:
@@ -257,6 +259,8 @@ class LocalBackend:
                     pwrite_all(fd, view[done:], offset + done)
                     offset += len(view)
                 os.fsync(fd)
+                if not relpath.startswith(STAGING_PREFIX):
+                    os.fsync(parent)  # a shared file: no commit renames (and syncs) a folder holding it
             except OSError as e:
                 raise storage_error(e, f"cannot write {path}") from e
             finally:
@@ -400,6 +404,18 @@ class LocalBackend:
         except OSError as e:
             raise storage_error(e, f"cannot list {self.root}") from e
 
+    def list_files(self, folder: str) -> list[str]:
+        folder = check_relpath(folder)
+        try:
+            with self._parent(f"{folder}/{MANIFEST_NAME}") as (fd, _name):  # the folder, opened without links
+                with os.scandir(fd) as entries:
+                    names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+        except CheckpointNotFoundError:
+            return []
+        except OSError as e:
+            raise storage_error(e, f"cannot list {self._abs(folder)}") from e
+        return sorted(f"{folder}/{name}" for name in names)
+
     def read_bytes(self, relpath: str, *, max_bytes: int | None = None) -> bytes:
         path = self._abs(relpath)
         fd, st = self._open_file(relpath)
@@ -451,6 +467,19 @@ class LocalBackend:
             return  # a folder above it is missing: nothing to delete
         except OSError as e:
             raise storage_error(e, f"cannot delete {self._abs(name)}") from e
+
+    def delete_file(self, relpath: str) -> None:
+        try:
+            with self._parent(relpath) as (parent, name):
+                st = lstat(name, parent)
+                if st is not None and not stat.S_ISDIR(st.st_mode):  # a file, or a link itself
+                    os.unlink(name, dir_fd=parent)
+        except CheckpointNotFoundError:
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise storage_error(e, f"cannot delete {self._abs(relpath)}") from e
 
     @staticmethod
     def _remove(parent: int, name: str) -> None:

@@ -25,6 +25,9 @@ Protocol (an object store has no rename, so nothing can be published by moving i
 * ``adopt_folder`` (``mode=NO_UPLOAD``) is refused: moving a local folder needs a local root.
 * ``cleanup_incomplete`` has nothing to do: a staging folder *is* the checkpoint's name, and
   the ledger deletes folders without a manifest.
+* Shared files (``shared/<never used name>``) are written once, straight to their final key,
+  before a manifest lists them: no rename is needed, and a file written for a save that
+  never commits is found again by ``list_files("shared")`` and deleted (``delete_file``).
 
 Invariants: a folder without a manifest is never listed as a checkpoint nor loaded, so a
 half-written checkpoint never exists; a committed manifest is never replaced. How atomic
@@ -139,6 +142,10 @@ class ObjectStoreBackend(abc.ABC):
     def exists(self, relpath: str) -> bool:
         """Whether an object exists at ``relpath``."""
 
+    @abc.abstractmethod
+    def list_files(self, folder: str) -> list[str]:
+        """Paths of the objects directly under ``folder/`` (not deeper); ``[]`` if there are none."""
+
     # -- helpers ------------------------------------------------------------------------
     def _key(self, relpath: str) -> str:
         rel = check_relpath(relpath)
@@ -231,6 +238,9 @@ class ObjectStoreBackend(abc.ABC):
         # INVARIANT: the manifest goes first, so the checkpoint stops existing at once.
         self._call(f"delete {self._show(rel)}", lambda: self._delete_object(rel))
         self._delete_prefix(name, f"delete {self._show(name)}")
+
+    def delete_file(self, relpath: str) -> None:
+        self._call(f"delete {self._show(relpath)}", lambda: self._delete_object(relpath))
 
     def cleanup_incomplete(self) -> list[str]:
         return []  # staging is the final prefix; the ledger deletes manifest-less folders

@@ -249,7 +249,27 @@ class BackendContract:
         backend.write_file("top-level-file.bin", [b"x"])
         assert backend.list_names() == ["half-written", "step-10", "step-2"]
 
+    def test_list_files_lists_the_files_directly_in_a_folder(self, backend: Backend) -> None:
+        assert backend.list_files("shared") == []  # no such folder yet
+        backend.write_file("shared/b.safetensors", [b"x"])
+        backend.write_file("shared/a.safetensors", [DATA])
+        backend.write_file("shared/deeper/c.bin", [b"x"])
+        put_checkpoint(backend, "step-1")
+        assert backend.list_files("shared") == ["shared/a.safetensors", "shared/b.safetensors"]
+        assert backend.list_names() == ["shared", "step-1"]
+        assert backend.read_bytes("shared/a.safetensors") == DATA  # written durably, straight into place
+
     # -- housekeeping -------------------------------------------------------------------
+    def test_delete_file_removes_one_file_quietly(self, backend: Backend) -> None:
+        backend.write_file("shared/a.safetensors", [DATA])
+        backend.write_file("shared/b.safetensors", [DATA])
+        put_checkpoint(backend, "step-1")
+        backend.delete_file("shared/a.safetensors")
+        backend.delete_file("shared/a.safetensors")  # idempotent
+        backend.delete_file("shared/never-existed")
+        assert backend.list_files("shared") == ["shared/b.safetensors"]
+        assert not backend.exists("shared/a.safetensors") and backend.exists(f"step-1/{MANIFEST_NAME}")
+
     def test_delete(self, backend: Backend) -> None:
         put_checkpoint(backend, "step-1")
         put_checkpoint(backend, "step-2")
@@ -404,6 +424,26 @@ class TestLocal(BackendContract):
             backend.abort(staging)
         assert self.stored(backend) == ["step-1", "step-2", "step-3", f"step-3/{MANIFEST_NAME}"]
         assert (root / "step-2").is_symlink() and list(tmp_path.iterdir()) == [root]
+
+    def test_shared_files_never_go_through_a_link(self, backend: Any, tmp_path: Any) -> None:
+        root = Path(backend.root)
+        backend.write_file("shared/a.safetensors", [DATA])
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"someone's file")
+        os.symlink(victim, root / "shared" / "link.safetensors")
+        (root / "shared" / "folder").mkdir()
+        assert backend.list_files("shared") == ["shared/a.safetensors"]  # no link, no folder
+        backend.delete_file("shared/link.safetensors")  # the link itself, never its target
+        backend.delete_file("shared/folder")  # not a file of ours: left alone
+        assert victim.read_bytes() == b"someone's file" and not (root / "shared" / "link.safetensors").exists()
+        assert (root / "shared" / "folder").is_dir()
+        os.rename(root / "shared", tmp_path / "moved")
+        os.symlink(tmp_path / "moved", root / "shared")
+        with pytest.raises(CorruptCheckpointError, match="link"):
+            backend.list_files("shared")
+        with pytest.raises(StorageError, match="link"):
+            backend.write_file("shared/b.safetensors", [DATA])
+        assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["a.safetensors", "folder"]
 
     def test_a_write_never_brings_back_a_staging_folder(self, backend: Any, tmp_path: Any) -> None:
         """An uploader that outlives its trainer, or writes after an abort, fails instead of

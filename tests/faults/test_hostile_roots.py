@@ -37,6 +37,7 @@ from mpckpt.errors import CorruptCheckpointError, MpckptError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
 from mpckpt.storage.local import LocalBackend
 from tests.conftest import assert_same
+from tests.legacy_roots import make_legacy
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = (0, 1)
@@ -172,6 +173,12 @@ def assert_bad_step_refused(root: Path, step: int = BAD) -> None:
 
 # -- 10. manifests that used to stop the whole root --------------------------------------------------
 
+def _shared_as(body: dict[str, Any], path: Any, *, version: int = 3) -> dict[str, Any]:
+    """Every file listed as a shared file at ``path(rel)``, in format ``version``."""
+    return {**body, "format_version": version,
+            "files": {k: {**v, "shared": path(k)} for k, v in body["files"].items()}}
+
+
 MANIFEST_DAMAGE = {
     "5000-digit integer": None,  # written raw below: Python itself will not serialise it
     "100k-deep JSON": None,  # written raw below
@@ -180,6 +187,9 @@ MANIFEST_DAMAGE = {
     "files is a list": lambda body: {**body, "files": [1, 2]},
     "size is a bool": lambda body: {**body, "files": {k: {**v, "size": True} for k, v in body["files"].items()}},
     "ref escapes": lambda body: {**body, "files": {k: {**v, "ref": "../elsewhere"} for k, v in body["files"].items()}},
+    "shared escapes": lambda body: _shared_as(body, lambda rel: "shared/../../etc/passwd"),
+    "shared in another step": lambda body: _shared_as(body, lambda rel: f"step_0000000000/{rel}"),
+    "shared before version 3": lambda body: _shared_as(body, lambda rel: "shared/x", version=1),
     "version is a string": lambda body: {**body, "format_version": "1"},
     "negative step": lambda body: {**body, "step": -5},
     "metrics is a list": lambda body: {**body, "metrics": [1]},
@@ -332,9 +342,10 @@ class Adapter(torch.nn.Module):
         self.head = torch.nn.Linear(64, 4)
 
 
+@pytest.mark.parametrize("layout", ["shared files", "refs into step folders (before format 3)"])
 @pytest.mark.parametrize("damage", ["manifest deleted", "manifest torn"])
 @pytest.mark.parametrize("cleaner", ["Checkpointer", "gc"])
-def test_a_folder_whose_files_are_referenced_is_kept(tmp_path, damage, cleaner):
+def test_a_folder_whose_files_are_referenced_is_kept(tmp_path, damage, cleaner, layout):
     path = tmp_path / "lora"
     model = Adapter()
     with mpckpt.Checkpointer(path, workers=1) as ckpt:
@@ -342,8 +353,13 @@ def test_a_folder_whose_files_are_referenced_is_kept(tmp_path, damage, cleaner):
         with torch.no_grad():
             model.head.weight.add_(1.0)
         ckpt.save(1, {"model": model}, mode="sync")
-    m1 = manifest_of(folder(path, 1))
-    assert any(e.ref == "step_0000000000" for e in m1.files.values())  # step 1 uses step 0's frozen shard
+    if layout.startswith("refs"):
+        make_legacy(path)
+        m1 = manifest_of(folder(path, 1))
+        assert any(e.ref == "step_0000000000" for e in m1.files.values())  # step 1 uses step 0's frozen shard
+    else:
+        m1 = manifest_of(folder(path, 1))
+        assert any(e.shared is not None for e in m1.files.values())  # step 0's frozen shard, in shared/
     target = folder(path, 0) / "manifest.json"
     if damage == "manifest deleted":
         target.unlink()
@@ -357,6 +373,8 @@ def test_a_folder_whose_files_are_referenced_is_kept(tmp_path, damage, cleaner):
     loaded = mpckpt.load(path, step=1)
     assert torch.equal(loaded["model"]["base.weight"], model.base.weight)
     assert torch.equal(loaded["model"]["head.weight"], model.head.weight)
+    # a manifest-less folder goes unless step 1 reads files in it; a torn one is damaged: kept
+    assert folder(path, 0).exists() == (layout.startswith("refs") or damage == "manifest torn")
 
 
 # -- 7. user files never collide with mpckpt's own names ------------------------------------------------

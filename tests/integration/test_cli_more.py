@@ -50,14 +50,14 @@ class Tied(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tied]:
-    """Steps 1 (sync), 2 (async) and 3 (sync) of a tied model and its optimizer, keep_last=1."""
+    """Steps 1 (sync), 2 (async) and 3 (sync) of a tied model and its optimizer; 1 and 3 kept."""
     root = tmp_path_factory.mktemp("run")
     model = Tied()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     with pytest.MonkeyPatch.context() as env:  # the autouse clean environment is per test
         for name in [n for n in os.environ if n.startswith("MPCKPT_")]:
             env.delenv(name)
-        ckpt = mpckpt.Checkpointer(root, workers=1, keep_last=1)
+        ckpt = mpckpt.Checkpointer(root, workers=1, keep=mpckpt.KeepLast(1) | mpckpt.KeepBest(1, "loss", "max"))
     with ckpt:
         for step, mode in ((1, "sync"), (2, "async"), (3, "sync")):
             with torch.no_grad():
@@ -71,16 +71,19 @@ def test_ls_json_says_when_and_why_kept(run):
     done = cli("ls", root, "--json")
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
-    assert [r["step"] for r in rows] == [1, 3]  # keep_last=1; step 1 is what step 3's frozen shard refers to
+    assert [r["step"] for r in rows] == [1, 3]  # the newest, and the highest loss
     for row in rows:
         assert {"step", "time", "bytes", "metrics", "kept", "kind", "files", "damaged"} <= set(row)
         when = datetime.datetime.fromisoformat(row["time"])
         assert when.utcoffset() == datetime.timedelta(0)
         assert abs((datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()) < 3600
         assert row["kind"] == "state" and row["damaged"] is None and row["files"] >= 2 and row["bytes"] > 0
-    assert rows[0]["kept"] == ["referenced"] and rows[1]["kept"] == ["latest"]
+    assert rows[0]["kept"] == [] and rows[1]["kept"] == ["latest"]  # step 1: by the policy, not recorded
     assert rows[1]["metrics"] == {"loss": pytest.approx(1 / 3)}
-    assert rows[1]["stored_bytes"] < rows[1]["bytes"]  # the frozen shard lives in step 1's folder
+    # the frozen shard, written by step 1, lives in shared/ and both list it
+    assert rows[1]["stored_bytes"] < rows[1]["bytes"] == rows[1]["stored_bytes"] + rows[1]["shared_bytes"]
+    assert len(rows[1]["shared_files"]) == 1 and rows[1]["shared_files"] == rows[0]["shared_files"]
+    assert rows[1]["shared_files"][0].startswith(f"shared/{checkpoint_name(1)}.") and rows[1]["uses_steps"] == []
     human = cli("ls", root)
     assert human.returncode == 0 and rows[1]["time"] in human.stdout
 
@@ -94,9 +97,9 @@ def test_info_lists_tensors_by_state_path_without_reading_them(run):
     for name, t in model.state_dict().items():
         entry = tensors[f"model.{name}"]
         assert entry["dtype"] == "float32" and entry["shape"] == list(t.shape) and entry["bytes"] == t.numel() * 4
-        assert entry["shards"] and all(s.startswith("step_") for s in entry["shards"])
+        assert entry["shards"] and all(s.startswith(("step_", "shared/")) for s in entry["shards"])
     assert tensors["model.head.weight"]["shares"] == "model.embed.weight"  # tied: one storage
-    assert tensors["model.frozen.weight"]["shards"][0].startswith(checkpoint_name(1))  # referenced, not rewritten
+    assert tensors["model.frozen.weight"]["shards"][0].startswith(f"shared/{checkpoint_name(1)}.")  # not rewritten
     assert {"name": "epoch", "type": "int", "value": 3} in doc["values"]
     assert any(v["name"] == "optim.param_groups.0.lr" and v["value"] == 0.001 for v in doc["values"])
     human = cli("info", root, 3)

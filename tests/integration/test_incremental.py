@@ -55,11 +55,14 @@ def test_frozen_base_is_written_once_and_referenced_after(tmp_path):
     assert written[0] > base_bytes
     assert all(w < base_bytes / 10 for w in written[1:4]), written
     assert written[4] > base_bytes
-    refs = {e.get("ref") for e in _manifest(tmp_path, 3)["files"].values()}
-    assert refs == {None, "step_0000000000"}
-    # keep_last=2 kept steps 3 and 4; step 0 held files that step 3 references, so it stays
-    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step_")) == \
-        ["step_0000000000", "step_0000000003", "step_0000000004"]
+    shared = {e.get("shared") for e in _manifest(tmp_path, 3)["files"].values()} - {None}
+    assert shared and all(p.startswith("shared/step_0000000000.") for p in shared)  # written by step 0
+    assert any(e.get("shared", "").startswith("shared/step_0000000004.") for e in _manifest(tmp_path, 4)["files"].values())
+    assert _manifest(tmp_path, 3)["format_version"] == 3
+    # keep_last=2 kept steps 3 and 4 and nothing else: the frozen shards step 3 lists live in shared/
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step_")) == ["step_0000000003", "step_0000000004"]
+    listed = {e["shared"] for step in (3, 4) for e in _manifest(tmp_path, step)["files"].values() if "shared" in e}
+    assert {f"shared/{n}" for n in os.listdir(tmp_path / "shared")} == listed  # what the kept ones list, no more
     assert_same(first_snapshot, mpckpt.load(tmp_path, step=3)["model"])
     assert_same(model.state_dict(), mpckpt.load(tmp_path, step=4)["model"])
     restored = LoraModel()
