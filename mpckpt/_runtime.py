@@ -20,6 +20,8 @@ root in the same process is told that, and how to close the first, instead of a 
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import functools
 import gc
 import logging
@@ -29,6 +31,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from mpckpt._commit.committer import Committer
@@ -112,6 +115,8 @@ class Runtime:
         self.backend = backend
         self.preemption = preemption
         self.closed = False
+        self._reading: collections.Counter[int] = collections.Counter()
+        self._reading_lock = threading.Lock()
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
         self.schedule = Schedule(config.trigger, opened=time.monotonic())
@@ -147,7 +152,7 @@ class Runtime:
             self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
                                        retention=config.retention, on_forget=self.saver.frozen.forget_folder,
                                        let_go=self.saver.frozen.let_go, validating=self.validator is not None,
-                                       held=None if self.validator is None else self.validator.held)
+                                       held=self._in_use)
             if self.validator is not None:
                 self.validator.resume(self.ledger.committed())
             preemption.install()
@@ -159,6 +164,30 @@ class Runtime:
 
     def committed(self) -> dict[int, Manifest]:
         return self.ledger.committed()
+
+    @contextlib.contextmanager
+    def reading(self, step: int | None) -> Iterator[None]:
+        """Retention keeps ``step`` while this process reads it (``load``, ``restore``)."""
+        if step is None or self.committer is None:
+            yield
+            return
+        # under the committer's retention lock: a decision either sees this step as read, or has
+        # forgotten it already (then the reader's lookup says it is gone; nothing is half read)
+        with self.committer.retention_lock, self._reading_lock:
+            self._reading[step] += 1
+        try:
+            yield
+        finally:
+            with self._reading_lock:
+                self._reading[step] -= 1
+                if not self._reading[step]:
+                    del self._reading[step]
+
+    def _in_use(self) -> set[int]:
+        """Steps retention must keep for now: being read here, or awaiting or failing validation."""
+        with self._reading_lock:
+            steps = set(self._reading)
+        return steps | (self.validator.held() if self.validator is not None else set())
 
     def latest_step(self) -> int | None:
         return self.ledger.latest_step()

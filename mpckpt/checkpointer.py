@@ -26,6 +26,7 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -397,11 +398,15 @@ class Checkpointer:
         """The plain nested state of a committed checkpoint (default: the latest).
 
         ``classes=False``: namedtuples and dataclasses as dicts, Enum members as names (see ``mpckpt.load``).
+        While it reads, this Checkpointer's retention keeps that checkpoint.
         """
-        ckpt = self.checkpoint(step)
-        assert ckpt._stored is not None
-        backend, name, manifest = ckpt._stored
-        return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
+        target = step if step is not None else self.latest_step
+        reading = self._rt.reading(target) if isinstance(self._rt, Runtime) else contextlib.nullcontext()
+        with reading:
+            ckpt = self.checkpoint(target)  # gone meanwhile: CheckpointNotFoundError, never half read
+            assert ckpt._stored is not None
+            backend, name, manifest = ckpt._stored
+            return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
 
     def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True,
                 discard_newer: bool = False) -> int | None:

@@ -20,7 +20,7 @@ after-commit work or retention is logged, and the next record is committed regar
 With ``validate=`` the after-commit work hands the checkpoint to the validator
 (``_commit/validation.py``); retention never deletes a step it ``held`` (validation queued,
 running or failed), and ``reapply_retention`` runs it again once a validation has finished
-(one decision at a time: ``_retention_lock``).
+(one decision at a time: ``retention_lock``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Committer:
     validating: bool = False  # validate= given: manifests say a validation.json may join metrics
     held: Callable[[], set[int]] | None = None  # steps retention must keep (validation pending or failed)
     _thread: threading.Thread = field(init=False)
-    _retention_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    retention_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
@@ -90,7 +90,7 @@ class Committer:
                          stats.persist_ms, stats.mb_per_s)
                 for work in record.after_commit:
                     _run_quietly(work, record.step, "after committing")
-                with self._retention_lock:
+                with self.retention_lock:
                     doomed, shared = self._apply_retention(record.step)
                 record.future._resolve(record.name)
                 self.deleter.delete(doomed, shared=shared)  # after the caller has its answer
@@ -133,7 +133,7 @@ class Committer:
 
     def reapply_retention(self, step: int) -> None:
         """Apply retention again (a validation of ``step`` gave it its metrics, or failed)."""
-        with self._retention_lock:
+        with self.retention_lock:
             doomed, shared = self._apply_retention(step)
         self.deleter.delete(doomed, shared=shared)
 

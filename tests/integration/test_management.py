@@ -143,9 +143,13 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_a_preempted_run_saves_once_more_even_when_the_whole_group_is_signalled(tmp_path):
+@pytest.mark.parametrize(("signals", "sig", "whole_group"), [
+    ("True", signal.SIGTERM, True),            # Kubernetes, SLURM's default: the whole process group
+    ("['SIGUSR1']", signal.SIGUSR1, False),    # SLURM --signal=USR1@120 to the trainer alone
+])
+def test_a_preempted_run_saves_once_more_even_when_the_whole_group_is_signalled(tmp_path, signals, sig, whole_group):
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
+    script.write_text(TRAINER.replace("preemption=True", f"preemption={signals}"))
     root = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group, as a scheduler's job has
@@ -155,15 +159,31 @@ def test_a_preempted_run_saves_once_more_even_when_the_whole_group_is_signalled(
         while not any(line.startswith("ready") for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, lines
             lines.append(proc.stdout.readline().strip())
-        os.killpg(proc.pid, signal.SIGTERM)  # the trainer, its uploaders and the fork server alike
+        if whole_group:
+            os.killpg(proc.pid, sig)  # the trainer, its uploaders and the fork server alike
+        else:
+            os.kill(proc.pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines += out.split("\n")
     assert proc.returncode == 0, lines
-    assert "earlier handler called" in lines and "closed" in lines
+    assert ("earlier handler called" in lines) == (sig == signal.SIGTERM) and "closed" in lines
     assert "restarts 0" in lines  # the uploaders lived through the group's SIGTERM
     (saved,) = [int(line.split()[1]) for line in lines if line.startswith("saved ")]
     assert mpckpt.Checkpointer(root, read_only=True).steps() == [saved]
     assert "model" in mpckpt.load(root)
+
+
+def test_retention_keeps_a_checkpoint_while_this_process_reads_it(tmp_path):
+    with mpckpt.Checkpointer(tmp_path, workers=1, keep_last=1) as ckpt:
+        ckpt.save(1, small_state(1), mode="sync")
+        with ckpt._rt.reading(1):  # what load() and restore() hold while they read step 1
+            ckpt.save(2, small_state(2), mode="sync")
+            ckpt.wait()
+            assert ckpt.steps() == [1, 2] and ckpt.load(1)["step"] == 1  # KeepLast(1) waits for the reader
+        ckpt.save(3, small_state(3), mode="sync")
+        ckpt.wait()
+        assert ckpt.steps() == [3]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_0000000003"]
