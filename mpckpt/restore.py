@@ -302,14 +302,14 @@ _MISMATCH = (CorruptCheckpointError, KeyError, IndexError, TypeError, ValueError
 
 
 @dataclass
-class _Skeleton:
+class Skeleton:
     tree: Any
     table: list[dict[str, Any]]
     leaves: list[dict[str, Any]]
     shard_names: list[str]
 
 
-def _read_skeleton(backend: Backend, name: str, manifest: Manifest) -> _Skeleton:
+def read_skeleton(backend: Backend, name: str, manifest: Manifest) -> Skeleton:
     """The skeleton, size-bounded, verified and checked for shape before anything trusts it."""
     where = f"{name}/{SKELETON_NAME}"
     entry = manifest.files.get(SKELETON_NAME)
@@ -345,10 +345,10 @@ def _read_skeleton(backend: Backend, name: str, manifest: Manifest) -> _Skeleton
     if missing:
         raise CorruptCheckpointError(f"{where} names shard {missing[0][:300]!r}, which the manifest does not list",
                                      path=where)
-    return _Skeleton(doc["tree"], table, leaves, shard_names)
+    return Skeleton(doc["tree"], table, leaves, shard_names)
 
 
-def _build(name: str, skeleton: _Skeleton, leaves: list[torch.Tensor], *, allow_pickle: bool,
+def _build(name: str, skeleton: Skeleton, leaves: list[torch.Tensor], *, allow_pickle: bool,
            check_only: bool = False, classes: bool = True) -> Any:
     try:
         tensors = build_tensors(skeleton.table, leaves)
@@ -364,7 +364,7 @@ def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pi
         raise ConfigError(
             f"{name} is a directory checkpoint (files you wrote); read it with Checkpointer.checkpoint(step).as_directory()"
         )
-    skeleton = _read_skeleton(backend, name, manifest)
+    skeleton = read_skeleton(backend, name, manifest)
     leaves = _read_leaves(backend, name, manifest, skeleton.leaves, skeleton.shard_names, threads=threads)
     return _build(name, skeleton, leaves, allow_pickle=allow_pickle, classes=classes)
 
@@ -374,7 +374,7 @@ def verify_checkpoint(backend: Backend, name: str, manifest: Manifest) -> None:
     checksum (streamed), and for a state the skeleton, every shard header and how they fit
     together (with meta tensors: nothing is allocated, nothing is unpickled)."""
     if manifest.kind == "state":
-        skeleton = _read_skeleton(backend, name, manifest)
+        skeleton = read_skeleton(backend, name, manifest)
         shards = {s: _open_shard(backend, name, manifest, s, None) for s in skeleton.shard_names}
         try:
             leaves = [_leaf(spec, shards, meta=True) for spec in skeleton.leaves]

@@ -33,6 +33,7 @@ from mpckpt.cli._common import (
 )
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
+from mpckpt.restore import read_skeleton
 
 # what a damaged or forged skeleton can make its interpretation raise
 _MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError, RuntimeError)
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     values: list[ValueInfo] = []
     stored = 0
     if manifest.kind == "state":
-        tensors, values, stored = describe(_read_skeleton(backend, name, manifest), manifest, name)
+        skeleton = read_skeleton(backend, name, manifest)  # size, checksum, version and shape checked
+        doc = {"tree": skeleton.tree, "table": skeleton.table, "leaves": skeleton.leaves}
+        tensors, values, stored = describe(doc, manifest, name)
     files = [{"path": path, "bytes": manifest.files[rel].size, "location": manifest.location(name, rel)}
              for path, rel in sorted(manifest.user_files().items())] if manifest.kind == "directory" else []
     if args.json:
@@ -96,26 +99,6 @@ def _say_tensors(tensors: list[TensorInfo], stored_bytes: int) -> None:
     for r in rows:
         say("  " + "  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]),
                               r[3].rjust(widths[3]), r[4]]))
-
-
-def _read_skeleton(backend: Any, name: str, manifest: Manifest) -> Any:
-    """The skeleton document, its size bounded and its checksum checked."""
-    from mpckpt.restore import MAX_SKELETON_BYTES, SKELETON_VERSION, read_verified
-
-    where = f"{name}/{SKELETON_NAME}"
-    entry = manifest.files.get(SKELETON_NAME)
-    if entry is None:
-        raise CorruptCheckpointError(f"{name}: the manifest lists no {SKELETON_NAME}", path=where)
-    if entry.size > MAX_SKELETON_BYTES:
-        raise CorruptCheckpointError(f"{where}: {entry.size} bytes, more than a skeleton may have; not read", path=where)
-    try:
-        doc = json.loads(read_verified(backend, name, manifest, SKELETON_NAME))
-        version = doc["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version > SKELETON_VERSION:
-            raise ValueError(f"version {str(version)[:40]!r} is not one this mpckpt reads")
-    except _MALFORMED as e:
-        raise CorruptCheckpointError(f"{where}: malformed ({str(e)[:300]})", path=where) from e
-    return doc
 
 
 def describe(doc: Any, manifest: Manifest, name: str) -> tuple[list[TensorInfo], list[ValueInfo], int]:
