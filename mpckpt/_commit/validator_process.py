@@ -37,7 +37,7 @@ from multiprocess.connection import wait as mp_wait
 
 from mpckpt._preemption import JOB_SIGNALS
 from mpckpt._upload.spawn import VALIDATOR_NAME, uploader_context
-from mpckpt._upload.worker import RemoteFailure, set_title
+from mpckpt._upload.worker import RemoteFailure, process_alive, set_title
 from mpckpt.errors import ConfigError, add_note
 from mpckpt.format.manifest import Manifest
 from mpckpt.storage import BackendSpec
@@ -166,19 +166,9 @@ def _rebuild(payload: Any) -> BaseException:
 
 
 # -- the process itself -----------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _exit_with_trainer(pid: int) -> None:
     """With the fork server our parent is the server: watch the trainer itself, even while ``fn`` runs."""
-    while _alive(pid):
+    while process_alive(pid):
         time.sleep(1.0)
     os._exit(1)
 

@@ -198,7 +198,8 @@ def file_digest(path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (uploaders and the validator watch their trainer with it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -230,7 +231,7 @@ def worker_main(conn: Any, setup: WorkerSetup) -> None:
         except (EOFError, OSError):
             return
         kind = msg[0]
-        if kind == "stop" or (trainer_pid and not _alive(trainer_pid)):
+        if kind == "stop" or (trainer_pid and not process_alive(trainer_pid)):
             return  # with forkserver our parent is the server, so also watch the trainer itself
         job_id = msg[1]
         if startup_error is not None:
