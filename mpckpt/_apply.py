@@ -4,7 +4,7 @@ In place where it matters: a tensor is overwritten (its shape must match), so ev
 refers to it (an optimizer, a tied weight) sees the restored values; a numpy array too, when
 its shape and dtype match (otherwise its slot gets the loaded array); an object with
 ``load_state_dict`` (module, optimizer, scheduler, ``RNGState``) gets its part of the
-checkpoint; dicts, lists, tuples, namedtuples and dataclass instances are walked. Any other
+checkpoint; a ``PerRank`` gets this rank's value; dicts, lists, tuples, namedtuples and dataclass instances are walked. Any other
 value's slot (int, str, set, Enum member, path, datetime ...) gets the loaded value.
 
 Strict by default, as ``torch.nn.Module.load_state_dict``: a key of the live state that the
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mpckpt.errors import StateError
+from mpckpt.per_rank import NOT_RESTORED, PerRank
 
 _SHOWN = 5  # keys named in a mismatch error, of each kind
 
@@ -86,6 +87,24 @@ def _live(value: Any) -> bool:
 
 def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> Any:
     where = path or "<root>"
+    if loaded is NOT_RESTORED:  # a PerRank value of another world size, strict=False
+        return target
+    if isinstance(target, PerRank):
+        if isinstance(loaded, PerRank):  # this rank's value (``_dist.reading``)
+            value = loaded.value
+        elif isinstance(loaded, list) and len(loaded) == 1:  # a single-process checkpoint's one value
+            value = loaded[0]
+        else:
+            if not strict:
+                return target
+            count = len(loaded) if isinstance(loaded, list) else "another number of"
+            raise StateError(f"state key {where!r} is a PerRank value and the checkpoint holds the values of {count} "
+                             "ranks; a PerRank value goes back only to the same rank of a job of the same world size "
+                             "(restore with strict=False to leave it as it is)", key=path)
+        target.value = _apply(target.value, value, path, strict, keys)
+        return target
+    if isinstance(loaded, PerRank):
+        return _apply(target, loaded.value, path, strict, keys)
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a tensor", key=path)
@@ -163,6 +182,51 @@ def _dataclass(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -
         else:
             setattr(target, f.name, new)
     return loaded if frozen else target
+
+
+def init_optimizer_state(state: Any) -> None:
+    """Give every optimizer in ``state`` that has no state yet the state its first step makes.
+
+    A freshly created optimizer has no moments, so a restore would have nothing to restore
+    them into (for a sharded model, nothing that says how they are sharded). As
+    torch.distributed.checkpoint's ``set_state_dict`` does, it takes one step with zero
+    gradients at learning rate 0 (nothing moves: the parameters and their gradients are left
+    as they were), and the restore then overwrites what that step made.
+    """
+    for optimizer in _optimizers(state, set()):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if optimizer.state or any(p.grad is not None for p in params):
+            continue
+        lrs = [group.get("lr") for group in optimizer.param_groups]
+        try:
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            for group in optimizer.param_groups:
+                if "lr" in group:
+                    group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+            optimizer.step()
+        finally:
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                if lr is not None:
+                    group["lr"] = lr
+            for p in params:
+                p.grad = None
+
+
+def _optimizers(value: Any, seen: set[int]) -> list[torch.optim.Optimizer]:
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, PerRank):
+        return _optimizers(value.value, seen)
+    if isinstance(value, dict):
+        return [o for v in value.values() for o in _optimizers(v, seen)]
+    if isinstance(value, (list, tuple)):
+        return [o for v in value for o in _optimizers(v, seen)]
+    return []
 
 
 def _takes_strict(load: Any) -> bool:

@@ -132,6 +132,7 @@ class CheckpointerStats:
     worker_restarts: int = 0
     job_retries: int = 0
     peak_shm_bytes: int = 0
+    restored_bytes: int = 0  # bytes the last restore() read (a rank of a job: about its share)
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.saves if s.status == status)

@@ -31,11 +31,11 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpckpt._commit.committer import Committer
-from mpckpt._commit.coordinator import SingleProcess
+from mpckpt._commit.coordinator import Coordinator, SingleProcess
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._commit.shared import deletion_blockers
@@ -43,6 +43,10 @@ from mpckpt._commit.sink import ErrorSink
 from mpckpt._commit.validation import Validator
 from mpckpt._commit.validation import prepare as prepare_validation
 from mpckpt._commit.validator_process import ValidatorSetup
+from mpckpt._dist.commit import StoreCoordinator
+from mpckpt._dist.group import RankGroup
+from mpckpt._dist.opening import open_ranked
+from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._stage import shm as _shm
@@ -51,7 +55,7 @@ from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
-from mpckpt.catalog import recover, scan
+from mpckpt.catalog import Recovered, recover, scan
 from mpckpt.config import Config
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
 from mpckpt.format.manifest import Manifest
@@ -110,8 +114,10 @@ class Runtime:
     read_only = False
 
     def __init__(self, config: Config, spec: BackendSpec, backend: Backend, *, environ: dict[str, str],
-                 owner: str, where: str, pin: bool, preemption: PreemptionWatch) -> None:
+                 owner: str, where: str, pin: bool, preemption: PreemptionWatch,
+                 group: RankGroup | None = None) -> None:
         self.config = config
+        self.group = group
         self.backend = backend
         self.preemption = preemption
         self.closed = False
@@ -122,17 +128,23 @@ class Runtime:
         self.schedule = Schedule(config.trigger, opened=time.monotonic())
         validate_fn = prepare_validation(config.validate, backend)  # refused before anything starts
         self.validator: Validator | None = None
-        self.lock = acquire_writer_lock(backend, owner, where)
         self.pool: UploaderPool | None = None
         self.committer: Committer | None = None
         self.deleter: Deleter | None = None
         self.arena: Arena | None = None
+        if group is None:
+            self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
+            staging_name: Callable[[str], str] = backend.staging_name
+        else:  # a collective: rank 0 locks and recovers, every rank learns the outcome
+            opened = open_ranked(group, backend, lambda: acquire_writer_lock(backend, owner, where))
+            self.lock = opened.lock
+            staging_name = functools.partial(backend.staging_name, run=opened.token)
         try:
             _shm.reap_orphans()
-            found = recover(backend)
+            found = recover(backend) if group is None else Recovered(opened.committed, opened.damaged)
             # checkpoints whose manifest does not verify: never deleted, never saved over
             self.damaged = found.damaged
-            self.ledger = Ledger(found.committed, staging_name=backend.staging_name, on_open=self._opened,
+            self.ledger = Ledger(found.committed, staging_name=staging_name, on_open=self._opened,
                                  taken_steps=set(self.damaged))
             self.arena = Arena(config.memory_budget_bytes, pin=pin)
             self.pool = UploaderPool(spec, workers=config.workers, start_method=config.start_method,
@@ -142,6 +154,8 @@ class Runtime:
             self.pool.start()
             budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen)
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
+            if group is not None:
+                self.saver.planner = Planner(group)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             if validate_fn is not None:
@@ -149,10 +163,13 @@ class Runtime:
                     ValidatorSetup(spec, validate_fn, config.nice, os.getpid(), environ), ledger=self.ledger,
                     backend=backend, start_method=config.start_method, timeout_s=config.validate_timeout_s,
                     stats=self._stats.validations, after=self._validated)
-            self.committer = Committer(self.ledger, backend, SingleProcess(backend), self.deleter,
+            coordinator: Coordinator = SingleProcess(backend) if group is None else StoreCoordinator(
+                backend, group.scoped(f"mpckpt/{opened.token}/"), rank=group.rank, world_size=group.world_size,
+                timeout_s=config.timeout_s)
+            self.committer = Committer(self.ledger, backend, coordinator, self.deleter,
                                        retention=config.retention, on_forget=self.saver.frozen.forget_folder,
                                        let_go=self.saver.frozen.let_go, validating=self.validator is not None,
-                                       held=self._in_use)
+                                       held=self._in_use, deletes=group is None or group.rank == 0)
             if self.validator is not None:
                 self.validator.resume(self.ledger.committed())
             preemption.install()
@@ -317,6 +334,8 @@ class Runtime:
             self.arena.close()
 
     def _let_go_of_lock(self) -> None:
+        if self.lock is None:  # a rank other than 0 of a multi-rank job: rank 0 holds it
+            return
         with _held_lock:
             _held.pop(self.backend.url, None)
         self.lock.release()

@@ -35,7 +35,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mpckpt._apply import apply_state
+from mpckpt._apply import apply_state, init_optimizer_state
+from mpckpt._dist.group import RankGroup
+from mpckpt._dist.reading import load_ranked_for
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._preemption import PreemptionWatch, parse_signals
 from mpckpt._runtime import Runtime, StorageView, caller_location, finalizer_for
@@ -86,6 +88,7 @@ class Checkpointer:
         validate: Callable[[Checkpoint], Mapping[str, float]] | None = None,
         validate_timeout_s: float | None = None,
         read_only: bool = False,
+        process_group: Any = None,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
@@ -108,13 +111,17 @@ class Checkpointer:
             return
         if read_only is not False:
             raise ConfigError(f"read_only={read_only!r} must be True or False")
+        group = RankGroup.detect(process_group)
+        if group is not None and validate is not None:
+            raise ConfigError("validate= is not available in a multi-rank job yet; validate the committed checkpoints "
+                              "from one process (mpckpt.load(root) gives the whole state), or save from one process")
         backend.check_writable()
         self.config = fit_budget_to_shm(self.config)
         # Everything the Checkpointer holds lives in the runtime, which never refers back to
         # it: so an unclosed Checkpointer that nobody references can be finalized.
         self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
                            owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
-                           pin=_cuda_available(), preemption=PreemptionWatch(signals))
+                           pin=_cuda_available(), preemption=PreemptionWatch(signals), group=group)
         self._finalizer = finalizer_for(self, self._rt)
 
     @property
@@ -207,9 +214,14 @@ class Checkpointer:
         step = self._check_step(step)
         metrics = _check_metrics(metrics)
         now = time.monotonic()
-        if rt.preemption.preempted:  # the job is about to be stopped: this save is the last one
+        preempted, due = rt.preemption.preempted, force or rt.schedule.due(step, now)
+        if rt.group is not None and (rt.schedule.timed or rt.preemption.signals):
+            # the clock and signals differ per rank: one small collective makes every rank agree
+            flags = rt.group.all_gather((due, preempted))
+            due, preempted = flags[0][0], any(p for _, p in flags)
+        if preempted:  # the job is about to be stopped: this save is the last one
             force, mode, overlap = True, UploadMode.SYNC, False
-        if not force and not rt.schedule.due(step, now):
+        if not force and not due:
             if not self._warmed:
                 self._warm_in_background(state)
             return None
@@ -275,6 +287,9 @@ class Checkpointer:
         if checkpoint is None:
             self.stats.reported.append({"step": step, **metrics})
             return None
+        if rt.group is not None:
+            raise ConfigError("report(checkpoint=...) uploads files one process wrote; in a multi-rank job save the "
+                              "state with save(step, state) on every rank, or upload the folder from a single process")
         if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
             raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
         step = self._check_step(step)
@@ -313,6 +328,9 @@ class Checkpointer:
         self._check_usable()
         if not steps:
             raise ConfigError("delete() needs the steps of the checkpoints to delete")
+        if self._writer().group is not None:
+            raise ConfigError("delete() is not available in a multi-rank job (every rank would have to agree); let "
+                              "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
         self._writer().delete([self._check_int(s) for s in steps], damaged=damaged)
 
     def _check_usable(self) -> None:
@@ -356,7 +374,9 @@ class Checkpointer:
         return need
 
     def _slab_bytes_for(self, state: Any) -> int:
-        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self._writer().saver.memo)
+        rt = self._writer()
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=rt.saver.memo,
+                       distributed=rt.group is not None)
         return min(int(estimate_state_bytes(state, flat) * 1.02) + (4 << 20), self.config.memory_budget_bytes)
 
     def _warm_in_background(self, state: Any) -> None:
@@ -427,7 +447,11 @@ class Checkpointer:
         if discard_newer and step is None:
             raise ConfigError("discard_newer=True needs step=: the checkpoint the run goes on from")
         if discard_newer:
-            self._writer()
+            if self._writer().group is not None:
+                raise ConfigError("discard_newer=True is not available in a multi-rank job; delete the newer "
+                                  "checkpoints with `mpckpt rm` before the job starts")
+        if isinstance(self._rt, Runtime) and self._rt.group is not None:
+            return self._restore_ranked(state, step=step, fallback=fallback, strict=strict)
         committed = self._rt.committed()
         damaged = dict(self._rt.damaged)
         if step is not None:
@@ -468,6 +492,57 @@ class Checkpointer:
         if not self.read_only:
             self.prepare(state)
         return restored
+
+
+    def _restore_ranked(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
+        """``restore`` on every rank of a job: each reads the byte ranges it needs (resharding).
+
+        Every rank starts from the same committed checkpoints (rank 0's scan at open), so all
+        pick the same step without talking. Optimizers without state yet get theirs first
+        (as an optimizer step with zero gradients and learning rate 0 would make it), so that
+        their DTensor moments are restored as shards like the parameters.
+        """
+        rt = self._writer()
+        assert rt.group is not None
+        committed = rt.committed()
+        if step is not None:
+            if self._check_int(step) not in committed:
+                raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {self.url}; committed steps: "
+                                              f"{sorted(committed)[-20:]}")
+            candidates = [step]
+        else:
+            candidates = sorted((s for s, m in committed.items() if m.kind == "state"), reverse=True)
+            if rt.damaged and not fallback and max(rt.damaged) > max(candidates, default=-1):
+                raise rt.damaged[max(rt.damaged)]
+        if not candidates:
+            self.prepare(state)
+            return None
+        init_optimizer_state(state)
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, distributed=True)  # the live DTensors, by name
+        assert flat.dist is not None
+        targets = {flat.leaves[i].name: shard for i, shard in flat.dist.shards.items()}
+        for candidate in candidates:
+            manifest = committed[candidate]
+            name = checkpoint_name(candidate)
+            try:
+                with rt.reading(candidate):
+                    if manifest.ranked:
+                        loaded, read = load_ranked_for(rt.backend, name, manifest, rank=rt.group.rank,
+                                                       world_size=rt.group.world_size, targets=targets,
+                                                       strict=strict, allow_pickle=self.config.allow_pickle)
+                    else:  # saved by one process: every rank reads it whole
+                        loaded = load_checkpoint(rt.backend, name, manifest, allow_pickle=self.config.allow_pickle)
+                        read = sum(e.size for e in manifest.files.values())
+            except CorruptCheckpointError as e:
+                if not fallback or step is not None:
+                    raise
+                log.warning("mpckpt: step %s does not verify, trying an older one: %s", candidate, e)
+                continue
+            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
+            self.stats.restored_bytes = read
+            self.prepare(state)
+            return candidate
+        raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
 
 
 def _mode(mode: Any) -> UploadMode:

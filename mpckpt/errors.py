@@ -109,6 +109,15 @@ def upload_error(step: int | None, what: str, cause: BaseException | None = None
     return error
 
 
+class RankError(UploadError):
+    """A multi-rank checkpoint was not committed because of other ranks (``ranks``: which ones;
+    empty when the job's store itself failed): one died, failed its part, or was too slow."""
+
+    def __init__(self, message: str, *, step: int | None = None, ranks: list[int] | None = None) -> None:
+        super().__init__(message, step=step)
+        self.ranks = list(ranks or [])
+
+
 class ValidationError(MpckptError):
     """``validate=`` failed for a committed checkpoint (the checkpoint stays; see ``stats.validations``)."""
 

@@ -364,6 +364,10 @@ def load_checkpoint(backend: Backend, name: str, manifest: Manifest, *, allow_pi
         raise ConfigError(
             f"{name} is a directory checkpoint (files you wrote); read it with Checkpointer.checkpoint(step).as_directory()"
         )
+    if manifest.ranked:  # saved by the ranks of a job: every rank's part, joined
+        from mpckpt._dist.reading import load_ranked
+
+        return load_ranked(backend, name, manifest, allow_pickle=allow_pickle, classes=classes, threads=threads)
     skeleton = read_skeleton(backend, name, manifest)
     leaves = _read_leaves(backend, name, manifest, skeleton.leaves, skeleton.shard_names, threads=threads)
     return _build(name, skeleton, leaves, allow_pickle=allow_pickle, classes=classes)
@@ -373,7 +377,11 @@ def verify_checkpoint(backend: Backend, name: str, manifest: Manifest) -> None:
     """Check that checkpoint ``name`` would load, in bounded memory: every file's size and
     checksum (streamed), and for a state the skeleton, every shard header and how they fit
     together (with meta tensors: nothing is allocated, nothing is unpickled)."""
-    if manifest.kind == "state":
+    if manifest.ranked:
+        from mpckpt._dist.reading import check_ranked
+
+        check_ranked(backend, name, manifest)
+    elif manifest.kind == "state":
         skeleton = read_skeleton(backend, name, manifest)
         shards = {s: _open_shard(backend, name, manifest, s, None) for s in skeleton.shard_names}
         try:

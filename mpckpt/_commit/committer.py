@@ -57,6 +57,9 @@ class Committer:
     let_go: Callable[[list[Manifest]], list[str]] | None = None
     validating: bool = False  # validate= given: manifests say a validation.json may join metrics
     held: Callable[[], set[int]] | None = None  # steps retention must keep (validation pending or failed)
+    # whether this process deletes what retention lets go of (in a multi-rank job only rank 0
+    # does; the others forget the same checkpoints, so every rank lists the same ones)
+    deletes: bool = True
     _thread: threading.Thread = field(init=False)
     retention_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
@@ -77,7 +80,9 @@ class Committer:
                 self.ledger.retire(record)
 
     def _finish(self, record: Pending) -> None:
+        told = False  # whether the coordinator already knows this record's outcome
         if record.outcome == "persisted":
+            told = True  # ``_commit`` tells it, whatever happens
             try:
                 manifest = self._commit(record)
             except BaseException as e:
@@ -93,29 +98,37 @@ class Committer:
                 with self.retention_lock:
                     doomed, shared = self._apply_retention(record.step)
                 record.future._resolve(record.name)
-                self.deleter.delete(doomed, shared=shared)  # after the caller has its answer
+                if self.deletes:
+                    self.deleter.delete(doomed, shared=shared)  # after the caller has its answer
                 return
         if record.outcome == "failed":
-            _run_quietly(lambda: self.backend.abort(record.staging), record.step, "removing the failed attempt of")
+            if not told:
+                self.coordinator.abandon(record.step, record.staging, "failed", _reason(record.error))
+            _run_quietly(lambda: self.coordinator.abort(record.staging), record.step, "removing the failed attempt of")
             self._drop_shared(record)
             error = record.error
             if not isinstance(error, UploadError):
                 error = upload_error(record.step, "checkpoint not committed", error)
             record.future._fail(error)
             return
+        self.coordinator.abandon(record.step, record.staging, "dropped", record.stats.status)
         record.future._resolve(None)  # dropped: skipped or coalesced, status set by the caller
 
     def _commit(self, record: Pending) -> Manifest:
-        files = dict(record.files)
-        self.backend.prepare_staging(record.staging)  # made already unless no job wrote into it
-        for rel, content in record.small_files.items():
-            data = content() if callable(content) else content
-            self.backend.write_file(f"{record.staging}/{rel}", [data])
-            files[rel] = FileEntry(len(data), checksum(data))
-        manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files, metrics=record.metrics,
-                            format_version=format_version_for(record.kind, files),
-                            world_size=self.coordinator.world_size,
-                            figures=_figures(record), validate=self.validating)
+        try:
+            files = dict(record.files)
+            self.backend.prepare_staging(record.staging)  # made already unless no job wrote into it
+            for rel, content in record.small_files.items():
+                data = content() if callable(content) else content
+                self.backend.write_file(f"{record.staging}/{rel}", [data])
+                files[rel] = FileEntry(len(data), checksum(data))
+            manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files,
+                                metrics=record.metrics, format_version=format_version_for(record.kind, files),
+                                world_size=self.coordinator.world_size,
+                                figures=_figures(record), validate=self.validating)
+        except BaseException as e:  # other ranks must not wait for a part that never comes
+            self.coordinator.abandon(record.step, record.staging, "failed", _reason(e))
+            raise
         # INVARIANT: every data file is durable before the manifest is written (commit does it last).
         return self.coordinator.commit(record.staging, record.name, manifest)
 
@@ -135,7 +148,8 @@ class Committer:
         """Apply retention again (a validation of ``step`` gave it its metrics, or failed)."""
         with self.retention_lock:
             doomed, shared = self._apply_retention(step)
-        self.deleter.delete(doomed, shared=shared)
+        if self.deletes:
+            self.deleter.delete(doomed, shared=shared)
 
     def _apply_retention(self, step_done: int) -> tuple[list[str], list[str]]:
         """Forget the checkpoints the policy lets go of; return their folders, and the shared
@@ -158,6 +172,10 @@ class Committer:
         except Exception as e:  # the commit stands; retention failing must not stop commits
             log.warning("mpckpt: retention after step %d failed: %s", step_done, e)
             return [], []
+
+
+def _reason(error: BaseException | None) -> str:
+    return "failed" if error is None else f"{type(error).__name__}: {str(error)[:500]}"
 
 
 def _figures(record: Pending) -> dict[str, float | int | None]:

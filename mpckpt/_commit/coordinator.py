@@ -2,10 +2,12 @@
 
 The committer builds a checkpoint's manifest from the files this process wrote and hands it
 to a coordinator, which publishes it and returns the manifest as committed. In a single
-process (the only kind today) that is one ``backend.commit``: the manifest is written last,
-create-only. A multi-rank coordinator plugs in here without touching the committer: every
-rank hands over its part, the coordinating rank merges the parts into one global manifest
-and writes it once all are durable, and every rank learns the outcome.
+process that is one ``backend.commit``: the manifest is written last, create-only. The
+multi-rank coordinator (``_dist.commit.StoreCoordinator``) plugs in here: every rank hands
+over its part, the coordinating rank merges the parts into one global manifest and writes it
+once all are durable, and every rank learns the outcome. A rank whose save failed or was
+dropped says so (``abandon``), so the others are not left waiting; removing a failed
+checkpoint's files is the coordinator's (``abort``: in a multi-rank job they are every rank's).
 
 ``world_size`` goes into every manifest, so a reader knows how many ranks wrote it.
 """
@@ -28,6 +30,14 @@ class Coordinator(Protocol):
         """Publish ``staging`` as checkpoint ``name``; return the manifest as committed."""
         ...
 
+    def abandon(self, step: int, staging: str, status: str, reason: str) -> None:
+        """This process has nothing to commit for ``step`` (``status``: failed or dropped)."""
+        ...
+
+    def abort(self, staging: str) -> None:
+        """Remove what a failed checkpoint wrote under ``staging``."""
+        ...
+
 
 class SingleProcess:
     """The coordinator of a checkpointer that is the only writer of its checkpoints."""
@@ -41,3 +51,9 @@ class SingleProcess:
     def commit(self, staging: str, name: str, manifest: Manifest) -> Manifest:
         self.backend.commit(staging, name, manifest.to_bytes())
         return manifest
+
+    def abandon(self, step: int, staging: str, status: str, reason: str) -> None:
+        pass  # nobody else waits for it
+
+    def abort(self, staging: str) -> None:
+        self.backend.abort(staging)

@@ -46,6 +46,8 @@ class Pending:
     files: dict[str, FileEntry] = field(default_factory=dict)
     # files its jobs write into shared/ rather than its staging folder: manifest name -> path
     shared: dict[str, str] = field(default_factory=dict)
+    # block checksums of files written with ``WriteJob.block_size`` (multi-rank): name -> digests
+    blocks: dict[str, list[str]] = field(default_factory=dict)
     # written by the committer; a callable is serialised there, off the training thread
     small_files: dict[str, bytes | Callable[[], bytes]] = field(default_factory=dict)
     jobs_left: int = 0
@@ -230,6 +232,8 @@ class Ledger:
                 else:
                     assert result is not None
                     record.files[rel] = FileEntry(result["size"], result["checksum"], shared=record.shared.get(rel))
+                    if "blocks" in result:
+                        record.blocks[rel] = result["blocks"]
                     if record.jobs_left == 0 and record.submitted_all and record.outcome is None:
                         record.outcome = "persisted"
                 self._cond.notify_all()

@@ -95,9 +95,11 @@ def _align(n: int, to: int = SHARD_ALIGN) -> int:
     return -(-n // to) * to
 
 
-def _pieces(leaves: list[Any], wave_cap: int) -> list[Piece]:
+def _pieces(leaves: list[Any], wave_cap: int, skip: frozenset[int]) -> list[Piece]:
     out: list[Piece] = []
     for i, leaf in enumerate(leaves):
+        if i in skip:
+            continue
         itemsize = ITEMSIZE[leaf.code]
         shape = leaf.stored_shape
         nbytes = leaf.nbytes
@@ -124,14 +126,16 @@ def _balance(pieces: list[Piece], n_shards: int) -> list[list[Piece]]:
 
 
 def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int,
-                frozen: frozenset[int] = frozenset()) -> Layout:
+                frozen: frozenset[int] = frozenset(), skip: frozenset[int] = frozenset(),
+                prefix: str = "") -> Layout:
     """Assign every leaf (``.name``, ``.code``, ``.stored_shape``, ``.nbytes``) to waves and shards.
 
-    Leaves in ``frozen`` never share a shard with other leaves.
+    Leaves in ``frozen`` never share a shard with other leaves; leaves in ``skip`` are not
+    written (another rank writes them); shard file names start with ``prefix`` (a rank's).
     """
-    total = sum(leaf.nbytes for leaf in leaves) + SHARD_ALIGN * max(1, workers)
+    total = sum(leaf.nbytes for i, leaf in enumerate(leaves) if i not in skip) + SHARD_ALIGN * max(1, workers)
     wave_cap = total if total <= budget_bytes else max(MIN_WAVE_BYTES, budget_bytes // 2 // SHARD_ALIGN * SHARD_ALIGN)
-    pieces = _pieces(leaves, wave_cap)
+    pieces = _pieces(leaves, wave_cap, skip)
     if not pieces:
         return Layout(waves=[], nbytes=0)
 
@@ -154,7 +158,7 @@ def plan_layout(leaves: list[Any], *, budget_bytes: int, workers: int,
         bins = [(b, True) for b in _balance(still, max(1, min(workers, len(still))))] if still else []
         bins += [(b, False) for b in _balance(moving, max(1, min(workers, len(moving))))] if moving else []
         for bin_pieces, is_frozen in bins:
-            shard = ShardPlan(f"shard-{shard_index:05d}.safetensors", [], offset=offset, frozen=is_frozen)
+            shard = ShardPlan(f"{prefix}shard-{shard_index:05d}.safetensors", [], offset=offset, frozen=is_frozen)
             shard_index += 1
             pos = 0
             for piece in sorted(bin_pieces, key=lambda p: -p.itemsize):
@@ -188,13 +192,14 @@ class LayoutCache:
         self.budget_bytes, self.workers = budget_bytes, workers
         self._layouts: dict[Any, Layout] = {}
 
-    def layout_for(self, flat: Any) -> Layout:
-        """The layout of ``flat`` (a ``FlatState``), planned on first sight of its shape."""
+    def layout_for(self, flat: Any, *, skip: frozenset[int] = frozenset(), prefix: str = "") -> Layout:
+        """The layout of ``flat`` (a ``FlatState``), planned on first sight of its shape
+        (``skip``, ``prefix``: a rank's, the same for every save of one shape)."""
         key = flat.key
         layout = self._layouts.get(key)
         if layout is None:
             layout = plan_layout(flat.leaves, budget_bytes=self.budget_bytes, workers=self.workers,
-                                 frozen=flat.frozen)
+                                 frozen=flat.frozen, skip=skip, prefix=prefix)
             if len(self._layouts) >= self.SIZE:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout

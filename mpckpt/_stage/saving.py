@@ -9,6 +9,10 @@ wave now) or overlapped (``overlap``: parameters and optimizer state are copied 
 background until the next ``optimizer.step()``). Each wave's slab goes back to the budget when
 the last shard written from it is durable.
 
+In a multi-rank save (``planner``) this rank's layout leaves out what other ranks write
+(``_dist.plan``), its shards are named with its rank, each file's blocks are checksummed
+for ranged reads, and its skeleton is its own (``_dist.skeleton``).
+
 Nothing here touches storage: the jobs carry the checkpoint's staging path (or, for a frozen
 shard, its new path in ``shared/``: ``reuse``), which the pool's dispatcher thread makes
 before the first of them is sent (``Backend.prepare_staging``), and the committer writes the
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._dist.plan import BLOCK_BYTES
+from mpckpt._dist.skeleton import rank_skeleton_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
@@ -35,7 +41,7 @@ from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
-from mpckpt.format.names import SKELETON_NAME
+from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
 from mpckpt.restore import SKELETON_VERSION
 from mpckpt.storage import Backend
 
@@ -53,6 +59,7 @@ class Snapshotter:
     layouts: LayoutCache = field(init=False)
     frozen: FrozenShards = field(init=False)
     memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
+    planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
     _copier: BackgroundCopier | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -61,8 +68,13 @@ class Snapshotter:
 
     def save(self, step: int, state: Any, metrics: dict[str, Any], *, overlap: bool) -> SaveFuture:
         """Snapshot ``state`` as checkpoint ``step``; the future resolves at its commit."""
-        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo)
-        layout = self.layouts.layout_for(flat)
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo,
+                       distributed=self.planner is not None)
+        if self.planner is not None:  # this rank's part of a multi-rank save (``_dist``)
+            plan = self.planner.plan(flat)
+            layout = self.layouts.layout_for(flat, skip=plan.skip, prefix=rank_prefix(self.planner.group.rank))
+        else:
+            layout = self.layouts.layout_for(flat)
         stats = SaveStats(step, bytes=flat.nbytes)
         first = self.budget.take_first(layout) if layout.waves else None
         if layout.waves and first is None:
@@ -79,7 +91,12 @@ class Snapshotter:
                 self.budget.release(first)
 
         with self.ledger.recording(step, "state", stats, metrics, on_error=release_first) as record:
-            self.ledger.add_small_file(record, SKELETON_NAME, lambda: skeleton_bytes(flat, layout))
+            if self.planner is not None:
+                group = self.planner.group
+                self.ledger.add_small_file(record, rank_skeleton_name(group.rank), lambda: rank_skeleton_bytes(
+                    flat, layout, plan, record.blocks, rank=group.rank, world_size=group.world_size))
+            else:
+                self.ledger.add_small_file(record, SKELETON_NAME, lambda: skeleton_bytes(flat, layout))
             reuse = self.frozen.reuse_unchanged(record, flat, layout)
             stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
                                       if s.filename not in reuse.files)
@@ -154,7 +171,8 @@ class Snapshotter:
         done = self.ledger.job_done(record, "writing shard", then=wave_done)
         self.pool.submit(*(
             Job("write", WriteJob(reuse.target(record.staging, shard.filename), slab.name, slab.capacity,
-                                  shard.offset, shard.nbytes, shard.header), done, tag=record.seq, step=record.step,
+                                  shard.offset, shard.nbytes, shard.header,
+                                  BLOCK_BYTES if self.planner is not None else 0), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.backend.prepare_staging(record.staging))
 

@@ -7,6 +7,11 @@ OrderedDicts, pathlib paths, datetime values), and objects with ``state_dict()``
 optimizers, schedulers), which are replaced by what that returns. Anything else is refused
 with a ``StateError`` naming the key, unless the caller opted in to pickle (``allow_pickle=True``).
 
+In a multi-rank save (``distributed=True``) a ``DTensor`` (FSDP2, tensor parallel) is stored
+as its local shard (``DistInfo`` says where the shard sits in the global tensor), tensors
+under a ``PerRank`` are this rank's own, and every other tensor is replicated (``_dist.plan``
+decides which rank writes it).
+
 Tensors that share storage stay shared: identical views are stored once and come back as
 one tensor; different views of one storage are stored as one byte range of that storage
 (``base``) that every view is rebuilt from with ``as_strided``. Everything here runs before
@@ -16,7 +21,8 @@ Skeleton node encoding (JSON): lists are JSON arrays; str/int/bool/None and fini
 are themselves; every other node is an object ``{"__mpckpt__": tag, ...}`` with tag one of
 ``dict`` (parallel ``k``/``v`` arrays, so int keys stay ints), ``tuple``, ``tensor`` (``id``
 into the tensor table), ``float`` (nan/inf), ``bytes``, ``dtype``, ``size``, ``device``,
-``pickle``, and those of ``values``: ``ndarray``, ``npscalar``, ``namedtuple``,
+``pickle``, ``per_rank`` (a ``PerRank`` value: ``id``, its number in walk order, and ``v``),
+and those of ``values``: ``ndarray``, ``npscalar``, ``namedtuple``,
 ``dataclass``, ``enum``, ``set``, ``frozenset``, ``odict``, ``path``, ``datetime``,
 ``date``, ``time``, ``timedelta``.
 """
@@ -27,6 +33,7 @@ import base64
 import dataclasses
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +42,7 @@ import torch
 from mpckpt import _dtypes
 from mpckpt._stage import values as _values
 from mpckpt.errors import CorruptCheckpointError, StateError
+from mpckpt.per_rank import PerRank
 
 TAG = "__mpckpt__"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -54,6 +62,28 @@ class TensorLeaf:
     raw: bool = False             # a byte range of a storage that several views share
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a DTensor leaf's local shard sits in its global tensor, and whether this rank
+    stores it (of the ranks holding the same shard, a replicated placement, only one does)."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    writes: bool
+    mesh: Any
+    placements: tuple[Any, ...]
+    global_stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """What a multi-rank save needs to know about each leaf: ``kinds[i]`` is ``local`` (under a
+    ``PerRank``), ``replicated`` or ``sharded`` (a DTensor; ``shards[i]``)."""
+
+    kinds: tuple[str, ...]
+    shards: dict[int, ShardInfo]
+
+
 @dataclass
 class FlatState:
     tree: Any
@@ -69,6 +99,7 @@ class FlatState:
     nbytes: int = 0
     # what a layout depends on (names, codes, shapes, frozen leaves): equal keys, equal layouts
     key: tuple[Any, ...] = ()
+    dist: DistInfo | None = None  # a multi-rank save's view of the leaves (``distributed=True``)
 
     def versions(self, leaves: Any) -> tuple[tuple[int, int], ...]:
         """(address, in-place version counter) of each leaf: equal means unchanged."""
@@ -82,8 +113,14 @@ def _path(parent: str, key: Any) -> str:
 class _Flattener:
     """The walk: the skeleton tree, and every distinct tensor object (a *row*) in visit order."""
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, distributed: bool = False) -> None:
         self.allow_pickle = allow_pickle
+        self.distributed = distributed
+        self.per_rank_depth = 0
+        self.per_rank_count = 0
+        self.local_rows: set[int] = set()  # rows first seen under a PerRank
+        self.dtensors: dict[int, Any] = {}  # row -> the DTensor whose local shard the row is
+        self.dmeta: list[tuple[Any, ...]] = []  # what the memo compares of each DTensor
         self.rows: list[torch.Tensor] = []
         self.paths: list[str] = []  # key path of each row's first appearance
         self.active: set[int] = set()
@@ -94,6 +131,8 @@ class _Flattener:
     def visit(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
+        if type(value) is PerRank:
+            return self.per_rank(value, path)
         if type(value) not in _values.PLAIN:  # first: IntEnum, numpy.float64, OrderedDict keep their type
             node = _values.encode(self, value, path)
             if node is not NotImplemented:
@@ -168,9 +207,25 @@ class _Flattener:
         if row is None:  # a tensor object seen before is one table row, one object on load
             row = len(self.rows)
             self.rows_by_object[id(t)] = row  # ids are stable: ``rows`` holds every tensor meanwhile
+            if type(t) not in _PLAIN_TENSORS and self.distributed and _is_dtensor(t):
+                dt: Any = t
+                self.dtensors[row] = dt
+                self.dmeta.append((row, dt.shape, dt.placements, id(dt.device_mesh)))
+                t = dt._local_tensor
             self.rows.append(t)
             self.paths.append(path)
+            if self.per_rank_depth:
+                self.local_rows.add(row)
         return {TAG: "tensor", "id": row}
+
+    def per_rank(self, value: PerRank, path: str) -> dict[str, Any]:
+        number = self.per_rank_count
+        self.per_rank_count += 1
+        self.per_rank_depth += 1
+        try:
+            return {TAG: "per_rank", "id": number, "v": self.visit(value.value, path)}
+        finally:
+            self.per_rank_depth -= 1
 
 
 class _Tabulator:
@@ -185,13 +240,14 @@ class _Tabulator:
         # storage key -> list of (table row index, tensor, path)
         self.by_storage: dict[tuple[int, int], list[tuple[int, torch.Tensor, str]]] = {}
 
-    def tabulate(self, rows: list[torch.Tensor], paths: list[str]) -> None:
+    def tabulate(self, rows: list[torch.Tensor], paths: list[str], alone: Any = ()) -> None:
+        """``alone``: rows that never share a leaf with another row (DTensor shards)."""
         self.table = [{} for _ in rows]
         for row, (t, path) in enumerate(zip(rows, paths, strict=True)):
             if (type(t) not in _PLAIN_TENSORS or t.layout is not torch.strided or t.is_nested or t.is_meta
                     or not _dtypes.is_supported(t.dtype)):
                 self.reject(t, path)
-            if t.numel() == 0:
+            if t.numel() == 0 or row in alone:
                 self.table[row] = {"leaf": self.add_leaf(row, t, path)}
             else:
                 base = t.data_ptr() - t.storage_offset() * t.element_size()
@@ -297,6 +353,8 @@ class _Remembered:
     signatures: list[tuple[Any, ...]]
     paths: list[str]
     frozen_ptrs: set[int]
+    local_rows: set[int]
+    dmeta: list[tuple[Any, ...]]
     flat: FlatState  # with its sources dropped: the memo keeps no tensor alive
     recipes: list[tuple[int, int, int, int]]
     direct_rows: list[int] | None  # when every leaf is its row's tensor as it is
@@ -320,6 +378,8 @@ class FlattenMemo:
         last = self._last
         if last is None or len(f.rows) != len(last.signatures) or f.frozen_ptrs != last.frozen_ptrs:
             return None
+        if f.local_rows != last.local_rows or f.dmeta != last.dmeta:
+            return None
         if _row_signatures(f.rows) != last.signatures or f.paths != last.paths:
             return None
         rows = f.rows
@@ -328,7 +388,8 @@ class FlattenMemo:
         else:
             sources = [_rebind(rows[row], how, start, length) for row, how, start, length in last.recipes]
         flat = last.flat
-        return FlatState(tree, flat.leaves, sources, flat.table, flat.frozen, flat.on_cuda, flat.nbytes, flat.key)
+        return FlatState(tree, flat.leaves, sources, flat.table, flat.frozen, flat.on_cuda, flat.nbytes, flat.key,
+                         flat.dist)
 
     def remember(self, f: _Flattener, tab: _Tabulator, flat: FlatState) -> None:
         signatures = _row_signatures(f.rows)
@@ -337,7 +398,8 @@ class FlattenMemo:
             return
         direct = all(how == _DIRECT for _, how, _, _ in tab.recipes)
         kept = dataclasses.replace(flat, tree=None, sources=[])
-        self._last = _Remembered(signatures, f.paths, f.frozen_ptrs, kept, tab.recipes,
+        self._last = _Remembered(signatures, f.paths, f.frozen_ptrs, set(f.local_rows), list(f.dmeta), kept,
+                                 tab.recipes,
                                  [row for row, _, _, _ in tab.recipes] if direct else None)
 
 
@@ -349,31 +411,81 @@ def _rebind(t: torch.Tensor, how: int, start: int, length: int) -> torch.Tensor:
     return _byte_range(t, start, length)
 
 
-def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None = None) -> FlatState:
+def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None = None,
+            distributed: bool = False) -> FlatState:
     """Split ``state`` into a skeleton tree and the tensors to store; raises ``StateError``.
 
     With a ``memo`` (one per checkpointer), a state that has the same tensors as the last one
-    flattened skips the checks and grouping it already passed.
+    flattened skips the checks and grouping it already passed. ``distributed``: a multi-rank
+    save (DTensors become their local shards; ``FlatState.dist``).
     """
     if state is None:
         raise StateError("state is None; pass a dict such as {'model': model, 'optim': optimizer}")
-    f = _Flattener(allow_pickle)
+    f = _Flattener(allow_pickle, distributed)
     tree = f.visit(state, "")
     if memo is not None:
         flat = memo.reuse(f, tree)
         if flat is not None:
             return flat
     tab = _Tabulator()
-    tab.tabulate(f.rows, f.paths)
+    tab.tabulate(f.rows, f.paths, alone=f.dtensors)
     leaves, sources = tab.leaves, tab.sources
+    dist = _dist_info(f, tab) if distributed else None
     frozen = frozenset(i for i, leaf in enumerate(leaves)
-                       if f.frozen_ptrs and not leaf.raw and leaf.nbytes and sources[i].data_ptr() in f.frozen_ptrs)
+                       if f.frozen_ptrs and not leaf.raw and leaf.nbytes and sources[i].data_ptr() in f.frozen_ptrs
+                       and dist is None)  # (a multi-rank save rewrites every shard)
     on_cuda = any(source.is_cuda for source in sources) if torch.cuda.is_available() else False
-    key = (tuple([(leaf.name, leaf.code, leaf.stored_shape) for leaf in leaves]), frozen)
-    flat = FlatState(tree, leaves, sources, tab.table, frozen, on_cuda, sum(leaf.nbytes for leaf in leaves), key)
+    key: tuple[Any, ...] = (tuple([(leaf.name, leaf.code, leaf.stored_shape) for leaf in leaves]), frozen)
+    if dist is not None:
+        key += (dist.kinds, tuple(sorted((i, s.global_shape, s.offset, s.writes) for i, s in dist.shards.items())))
+    flat = FlatState(tree, leaves, sources, tab.table, frozen, on_cuda, sum(leaf.nbytes for leaf in leaves), key,
+                     dist)
     if memo is not None:
         memo.remember(f, tab, flat)
     return flat
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _dist_info(f: _Flattener, tab: _Tabulator) -> DistInfo:
+    """Each leaf's kind, and where each DTensor leaf's shard sits in its global tensor."""
+    kinds: list[str] = []
+    shards: dict[int, ShardInfo] = {}
+    for i, (row, _, _, _) in enumerate(tab.recipes):
+        dt = f.dtensors.get(row)
+        if dt is None:
+            kinds.append("local" if row in f.local_rows else "replicated")
+            continue
+        path = f.paths[row] or "<root>"
+        if row in f.local_rows:
+            raise StateError(f"state key {path!r} is a DTensor under a PerRank; a DTensor is already stored per "
+                             "shard: take it out of the PerRank", key=f.paths[row])
+        shards[i] = _shard_info(dt, path)
+        kinds.append("sharded")
+    return DistInfo(tuple(kinds), shards)
+
+
+def _shard_info(dt: Any, path: str) -> ShardInfo:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    for p in placements:
+        if type(p) not in (Shard, Replicate):
+            raise StateError(f"state key {path!r} is a DTensor with placement {p}; mpckpt stores Shard and Replicate "
+                             "placements: redistribute it (e.g. to Replicate or Shard(0)) before saving", key=path)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise StateError(f"state key {path!r} is a DTensor on a device mesh this rank is not part of", key=path)
+    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
+    if tuple(local_shape) != tuple(dt._local_tensor.shape):
+        raise StateError(f"state key {path!r}: the DTensor's local shard has shape {tuple(dt._local_tensor.shape)}, "
+                         f"its placements say {tuple(local_shape)}", key=path)
+    writes = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
+    return ShardInfo(tuple(dt.shape), tuple(int(o) for o in offset), writes, mesh, placements, tuple(dt.stride()))
 
 
 # -- the way back ----------------------------------------------------------------------------
@@ -427,61 +539,80 @@ def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> li
     return out
 
 
+PerRankHook = Callable[[int, Any, str], Any]
+
+
+def one_rank(number: int, value: Any, path: str) -> Any:
+    """A ``PerRank`` node of a single-process checkpoint, as ``mpckpt.load`` gives it: the list
+    of every rank's value (one)."""
+    return [value]
+
+
 def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False, check_only: bool = False,
-              classes: bool = True) -> Any:
+              classes: bool = True, per_rank: PerRankHook = one_rank) -> Any:
     """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in).
 
     With ``check_only`` every node is checked and pickled values are only decoded, never
     unpickled (``mpckpt verify``); no class is imported. With ``classes=False`` namedtuples,
     dataclasses and Enum members come back as plain values, without importing their classes.
+    ``per_rank(number, value, path)`` gives what a ``PerRank`` node becomes (``one_rank``: a list).
     """
     try:
-        return _unflatten(node, tensors, allow_pickle, check_only, classes, "")
+        return _Unflattener(tensors, allow_pickle, check_only, classes, per_rank).node(node, "")
     except RecursionError as e:
         raise CorruptCheckpointError("the skeleton tree is nested too deeply") from e
 
 
-def _unflatten(node: Any, tensors: list[torch.Tensor], allow_pickle: bool, check_only: bool, classes: bool,
-               path: str) -> Any:
-    if isinstance(node, list):
-        return [_unflatten(x, tensors, allow_pickle, check_only, classes, _path(path, i)) for i, x in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    tag = node.get(TAG)
-    try:
-        if tag == "dict":
-            return {k: _unflatten(v, tensors, allow_pickle, check_only, classes, _path(path, k))
-                    for k, v in zip(node["k"], node["v"], strict=True)}
-        if tag == "tuple":
-            return tuple(_unflatten(x, tensors, allow_pickle, check_only, classes, _path(path, i))
-                         for i, x in enumerate(node["v"]))
-        if tag in _values.TAGS:
-            child = lambda n, p: _unflatten(n, tensors, allow_pickle, check_only, classes, p)  # noqa: E731
-            return _values.decode(node, tag, path, _values.Reader(child, check_only, classes))
-        if tag == "tensor":
-            return tensors[_index(node["id"], len(tensors), "tensor id")]
-        if tag == "float":
-            return float(node["v"])
-        if tag == "bytes":
-            return base64.b64decode(node["v"])
-        if tag == "dtype":
-            return _dtypes.dtype_from_name(node["v"])
-        if tag == "size":
-            return torch.Size(node["v"])
-        if tag == "device":
-            return torch.device(node["v"])
-        if tag == "pickle":
-            if check_only:
-                base64.b64decode(node["v"], validate=True)
-                return None
-            if not allow_pickle:
-                raise StateError(
-                    f"this checkpoint holds a pickled value (state key {path or '<root>'!r}); loading it runs code "
-                    "from storage. Pass allow_pickle=True only if you trust where it came from", key=path
-                )
-            return pickle.loads(base64.b64decode(node["v"]))
-    except (StateError, CorruptCheckpointError):
-        raise
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise CorruptCheckpointError(f"skeleton node {str(tag)[:40]!r} is malformed ({str(e)[:200]})") from e
-    raise CorruptCheckpointError(f"skeleton holds an unknown node {str(node)[:80]!r}")
+@dataclass
+class _Unflattener:
+    tensors: list[torch.Tensor]
+    allow_pickle: bool
+    check_only: bool
+    classes: bool
+    per_rank: PerRankHook
+
+    def node(self, node: Any, path: str) -> Any:
+        if isinstance(node, list):
+            return [self.node(x, _path(path, i)) for i, x in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        tag = node.get(TAG)
+        try:
+            if tag == "dict":
+                return {k: self.node(v, _path(path, k)) for k, v in zip(node["k"], node["v"], strict=True)}
+            if tag == "tuple":
+                return tuple(self.node(x, _path(path, i)) for i, x in enumerate(node["v"]))
+            if tag in _values.TAGS:
+                return _values.decode(node, tag, path, _values.Reader(self.node, self.check_only, self.classes))
+            if tag == "tensor":
+                return self.tensors[_index(node["id"], len(self.tensors), "tensor id")]
+            if tag == "per_rank":
+                number = node["id"]
+                if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+                    raise ValueError(f"per_rank id {str(number)[:40]!r} is not a non-negative integer")
+                return self.per_rank(number, self.node(node["v"], path), path)
+            if tag == "float":
+                return float(node["v"])
+            if tag == "bytes":
+                return base64.b64decode(node["v"])
+            if tag == "dtype":
+                return _dtypes.dtype_from_name(node["v"])
+            if tag == "size":
+                return torch.Size(node["v"])
+            if tag == "device":
+                return torch.device(node["v"])
+            if tag == "pickle":
+                if self.check_only:
+                    base64.b64decode(node["v"], validate=True)
+                    return None
+                if not self.allow_pickle:
+                    raise StateError(
+                        f"this checkpoint holds a pickled value (state key {path or '<root>'!r}); loading it runs "
+                        "code from storage. Pass allow_pickle=True only if you trust where it came from", key=path
+                    )
+                return pickle.loads(base64.b64decode(node["v"]))
+        except (StateError, CorruptCheckpointError):
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise CorruptCheckpointError(f"skeleton node {str(tag)[:40]!r} is malformed ({str(e)[:200]})") from e
+        raise CorruptCheckpointError(f"skeleton holds an unknown node {str(node)[:80]!r}")

@@ -50,6 +50,9 @@ class WriteJob:
     offset: int
     length: int
     header: bytes
+    # > 0: also the xxh3-64 of every block of this many bytes of the file (the last one may be
+    # shorter), so that a reader of a byte range verifies it without reading the whole file
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,17 +177,42 @@ class _Worker:
             digest = xxhash.xxh3_64(job.header)
             for pos in range(0, len(data), _HASH_CHUNK):
                 digest.update(data[pos:pos + _HASH_CHUNK])
+            blocks = block_digests([job.header, data], job.block_size) if job.block_size else None
             self.backend.write_file(job.relpath, [job.header, data])
         finally:
             data.release()
-        return {"size": len(job.header) + job.length, "checksum": digest.hexdigest(),
-                "seconds": time.perf_counter() - started}
+        result = {"size": len(job.header) + job.length, "checksum": digest.hexdigest(),
+                  "seconds": time.perf_counter() - started}
+        if blocks is not None:
+            result["blocks"] = blocks
+        return result
 
     def upload(self, job: UploadJob) -> dict[str, Any]:
         started = time.perf_counter()
         size, checksum = file_digest(job.local_path)
         self.backend.upload_file(job.relpath, job.local_path)
         return {"size": size, "checksum": checksum, "seconds": time.perf_counter() - started}
+
+
+def block_digests(parts: list[Any], block_size: int) -> list[str]:
+    """xxh3-64 of every ``block_size`` bytes of the concatenation of ``parts`` (the last block
+    may be shorter; an empty file has none)."""
+    out: list[str] = []
+    digest, filled = xxhash.xxh3_64(), 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        pos = 0
+        while pos < len(view):
+            take = min(block_size - filled, len(view) - pos)
+            digest.update(view[pos:pos + take])
+            filled += take
+            pos += take
+            if filled == block_size:
+                out.append(digest.hexdigest())
+                digest, filled = xxhash.xxh3_64(), 0
+    if filled:
+        out.append(digest.hexdigest())
+    return out
 
 
 def file_digest(path: str) -> tuple[int, str]:

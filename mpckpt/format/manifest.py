@@ -38,11 +38,12 @@ from mpckpt.format.names import (  # noqa: F401 -- re-exported: the names of the
     check_relpath,
     checkpoint_name,
     is_shared_path,
+    rank_skeleton_name,
     step_of,
 )
 
 FORMAT_NAME = "mpckpt"
-FORMAT_VERSION = 3  # the newest this mpckpt reads; see ``format_version_for``
+FORMAT_VERSION = 4  # the newest this mpckpt reads; see ``format_version_for``
 CHECKSUM_ALGO = "xxh3_64"
 KINDS = ("state", "directory")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
@@ -51,7 +52,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is n
 FIGURES = ("blocked_ms", "snapshot_ms", "persist_ms", "bytes", "written_bytes")
 
 
-def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None) -> int:
+def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None, *, ranked: bool = False) -> int:
     """The format version a new manifest of ``kind`` listing ``files`` is written in.
 
     Version 2 keeps a directory checkpoint's files under ``files/``, so that no file of the
@@ -59,8 +60,11 @@ def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None) 
     version 1 then refuses it rather than hand back a ``files/`` folder. Version 3: a state
     that lists files in ``shared/``; an older mpckpt would look for them in the checkpoint's
     folder, so it refuses the manifest instead ("upgrade mpckpt"). A state without shared
-    files stays version 1, readable by every mpckpt.
+    files stays version 1, readable by every mpckpt. Version 4: a state several ranks saved
+    (``ranked``): a skeleton per rank and rank-prefixed shards (``names.rank_prefix``).
     """
+    if ranked:
+        return 4
     if files is not None and any(e.shared is not None for e in files.values()):
         return 3
     return 2 if kind == "directory" else 1
@@ -100,6 +104,11 @@ class Manifest:
     validate: bool = False  # saved with validate=: a validation.json may add metrics (format/validation.py)
     # the metrics of that validation.json as a reader joined them into ``metrics``; never written here
     validation: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def ranked(self) -> bool:
+        """Saved by the ranks of a torch.distributed job: a skeleton per rank (``_dist.reading``)."""
+        return self.kind == "state" and self.format_version >= 4 and rank_skeleton_name(0) in self.files
 
     @property
     def user_prefix(self) -> str:

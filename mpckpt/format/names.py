@@ -10,6 +10,10 @@ checkpoints use (frozen shards) live in ``shared/``, each under a name no other 
 file is never overwritten and deleting any one checkpoint folder never takes it away. Every
 path below the root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage
 backends and the format both use these names: they live here, below both.
+
+A checkpoint several ranks of a torch.distributed job saved (format version 4) has no
+``skeleton.json``: each rank writes its own files under its prefix, ``r<rank, 5 digits>-``
+(``rank_prefix``), its skeleton as ``r00003-skeleton.json`` (``rank_skeleton_name``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ STEP_PREFIX = "step_"
 SHARED_FOLDER = "shared"  # files several checkpoints use (format version 3)
 _STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
 _SHARED_PATH_RE = re.compile(r"shared/[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def rank_prefix(rank: int) -> str:
+    """What the names of the files rank ``rank`` writes into a multi-rank checkpoint start with."""
+    return f"r{rank:05d}-"
+
+
+def rank_skeleton_name(rank: int) -> str:
+    """The skeleton rank ``rank`` writes into a multi-rank checkpoint."""
+    return f"{rank_prefix(rank)}{SKELETON_NAME}"
 
 
 def checkpoint_name(step: int) -> str:

@@ -112,3 +112,14 @@ class Schedule:
 
     def saved(self, step: int, now: float) -> None:
         self.last_step, self.last_time = step, now
+
+    @property
+    def timed(self) -> bool:
+        """Whether the trigger looks at the clock (ranks of a job may then disagree)."""
+        pending: list[Any] = [self.trigger]
+        while pending:
+            t = pending.pop()
+            if isinstance(t, EveryNSeconds):
+                return True
+            pending.extend(getattr(t, "triggers", ()))
+        return False

@@ -72,8 +72,12 @@ class Backend(Protocol):
         ...
 
     # -- writing (uploader processes and the committer) -------------------------------
-    def staging_name(self, name: str) -> str:
+    def staging_name(self, name: str, *, run: str | None = None) -> str:
         """The folder (relative path) where checkpoint ``name``'s files go until ``commit``.
+
+        ``run`` (letters and digits): the token of one open of the root by the ranks of a
+        torch.distributed job, which all write into one staging folder; the same name for the
+        same ``name`` and ``run`` on every rank (the writer lock's holder, rank 0, commits it).
 
         Pure: no I/O, so ``save()`` may call it on the training thread. ``ConfigError`` if
         ``name`` is not a valid checkpoint name. Nothing is created (``prepare_staging`` does)

@@ -232,9 +232,14 @@ class LocalBackend:
         return FlockLock(fd)
 
     # -- writing ------------------------------------------------------------------------
-    def staging_name(self, name: str) -> str:
+    def staging_name(self, name: str, *, run: str | None = None) -> str:
         # No I/O: save() calls this on the training thread. A fresh name on every call, so two
         # attempts (or two writers) never share a staging folder; commit refuses a taken name.
+        # The ranks of one job share one: ``run``, a token of this open of the root.
+        if run is not None:
+            if not run.isalnum():
+                raise ConfigError(f"staging run token {run!r} must be letters and digits")
+            return f"{STAGING_PREFIX}{_top_level(name)}.run-{run}"
         return f"{STAGING_PREFIX}{_top_level(name)}.{os.getpid()}.{secrets.token_hex(4)}"
 
     def prepare_staging(self, staging: str) -> None:

@@ -185,7 +185,7 @@ class ObjectStoreBackend(abc.ABC):
         return lock.acquire()
 
     # -- writing ------------------------------------------------------------------------
-    def staging_name(self, name: str) -> str:
+    def staging_name(self, name: str, *, run: str | None = None) -> str:
         check_relpath(name)  # no request: save() calls this; commit refuses a taken name
         return name
 

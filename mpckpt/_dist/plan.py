@@ -1,0 +1,117 @@
+"""Who writes what in a multi-rank save.
+
+Each rank stores its ``local`` leaves (under a ``PerRank``) and the DTensor shards it holds
+(``sharded``; of ranks holding the same shard, a replicated mesh dimension, only coordinate
+0 writes). A ``replicated`` leaf (a plain tensor: DDP parameters, an optimizer's step count)
+is the same on every rank and is written once, by the rank the plan gives it: largest first
+onto the rank with the fewest bytes to write so far (sharded bytes counted), so the write
+load is spread over the ranks.
+
+Planning takes one collective on the training thread, on the first save of a state shape:
+every rank's digest of what it saves (the names, dtypes and shapes of its replicated and
+sharded leaves) and its own byte count. Ranks that disagree (a rank-dependent value not
+wrapped in ``PerRank``, a model built differently) get a ``StateError`` naming the first key
+that differs, on every rank alike. The plan is cached by the state's layout key: later saves
+of the same state run no collective at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+from mpckpt._dist.group import RankGroup
+from mpckpt._stage.snapshot import FlatState
+from mpckpt.errors import StateError
+
+BLOCK_BYTES = 1 << 20  # each file's bytes are checksummed per block too (ranged reads verify)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    skip: frozenset[int]       # leaves this rank does not write
+    writer: dict[int, int]     # replicated leaf -> the rank that writes it
+
+
+class Planner:
+    """The plans of the last few state shapes one rank saved."""
+
+    SIZE = 8
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self._plans: dict[Any, RankPlan] = {}
+
+    def plan(self, flat: FlatState) -> RankPlan:
+        plan = self._plans.get(flat.key)
+        if plan is None:
+            plan = self._agree(flat)
+            if len(self._plans) >= self.SIZE:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[flat.key] = plan
+        return plan
+
+    def _agree(self, flat: FlatState) -> RankPlan:
+        assert flat.dist is not None
+        kinds, shards = flat.dist.kinds, flat.dist.shards
+        replicated = [i for i, k in enumerate(kinds) if k == "replicated"]
+        own = sum(leaf.nbytes for i, leaf in enumerate(flat.leaves)
+                  if kinds[i] == "local" or (kinds[i] == "sharded" and shards[i].writes))
+        signature = _signature(flat)
+        gathered = self.group.all_gather((_digest(signature), own))
+        if len({digest for digest, _ in gathered}) > 1:
+            self._disagree(signature, [digest for digest, _ in gathered])
+        loads = [(bytes_, rank) for rank, (_, bytes_) in enumerate(gathered)]
+        heapq.heapify(loads)
+        writer: dict[int, int] = {}
+        for i in sorted(replicated, key=lambda i: (-flat.leaves[i].nbytes, flat.leaves[i].name)):
+            load, rank = heapq.heappop(loads)
+            writer[i] = rank
+            heapq.heappush(loads, (load + flat.leaves[i].nbytes, rank))
+        me = self.group.rank
+        skip = frozenset([i for i in replicated if writer[i] != me]
+                         + [i for i, s in shards.items() if not s.writes])
+        return RankPlan(skip, writer)
+
+    def _disagree(self, signature: list[tuple[Any, ...]], digests: list[str]) -> None:
+        """Ranks save different states: a second collective finds the first key that differs."""
+        every = self.group.all_gather(signature)
+        base = every[0]
+        for rank, sig in enumerate(every):
+            if sig == base:
+                continue
+            for mine, theirs in zip(base, sig, strict=False):
+                if mine != theirs:
+                    raise StateError(
+                        f"the ranks save different states: rank 0 has {_show(mine)}, rank {rank} has {_show(theirs)}. "
+                        "Every rank must save the same keys with the same shapes; wrap values that differ per rank in "
+                        "mpckpt.PerRank(...)", key=str(mine[0]))
+            longer, who = (base, 0) if len(base) > len(sig) else (sig, rank)
+            extra = longer[min(len(base), len(sig))]
+            raise StateError(f"the ranks save different states: only rank {who} has {_show(extra)}. Every rank must "
+                             "save the same keys; wrap values that differ per rank in mpckpt.PerRank(...)",
+                             key=str(extra[0]))
+
+
+def _signature(flat: FlatState) -> list[tuple[Any, ...]]:
+    """What every rank must agree on: each non-local leaf's name, kind, dtype and (global) shape."""
+    assert flat.dist is not None
+    out = []
+    for i, leaf in enumerate(flat.leaves):
+        kind = flat.dist.kinds[i]
+        if kind == "local":
+            continue
+        shape = flat.dist.shards[i].global_shape if kind == "sharded" else leaf.shape
+        out.append((leaf.name, kind, leaf.code, tuple(shape)))
+    return out
+
+
+def _digest(signature: list[tuple[Any, ...]]) -> str:
+    return hashlib.sha256(repr(signature).encode()).hexdigest()
+
+
+def _show(entry: tuple[Any, ...]) -> str:
+    name, kind, code, shape = entry
+    return f"{name!r} ({kind}, {code}, shape {list(shape)})"
