@@ -120,7 +120,7 @@ class Checkpointer:
         # Everything the Checkpointer holds lives in the runtime, which never refers back to
         # it: so an unclosed Checkpointer that nobody references can be finalized.
         self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
-                           owner=f"pid {os.getpid()} on {socket.gethostname()}", where=caller_location(),
+                           owner=_lock_owner(group), where=caller_location(),
                            pin=_cuda_available(), preemption=PreemptionWatch(signals), group=group)
         self._finalizer = finalizer_for(self, self._rt)
 
@@ -558,6 +558,22 @@ def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metrics, Mapping):
         raise ConfigError(f"metrics must be a dict of names to numbers, got {type(metrics).__name__}")
     return {str(k): (v.item() if hasattr(v, "item") and callable(v.item) else v) for k, v in metrics.items()}
+
+
+def _lock_owner(group: RankGroup | None) -> str:
+    """Who holds the root's writer lock, as the lock records it.
+
+    A job that torchrun restarts (``--max-restarts``) opens the root again from new
+    processes while the lease of the attempt that died may still be valid on an object
+    store: its rank 0 then names itself by the job (the run id and the rendezvous endpoint,
+    the same for every attempt of one job and different for any other job), and a lease of
+    the same owner is taken over. Anywhere else the owner is the process.
+    """
+    env = os.environ
+    if group is not None and "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env:
+        return (f"rank 0 of torchrun job {env['TORCHELASTIC_RUN_ID']} at {env['MASTER_ADDR']}:"
+                f"{env.get('MASTER_PORT', '')} on {socket.gethostname()}")
+    return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 def _cuda_available() -> bool:

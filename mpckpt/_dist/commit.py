@@ -11,8 +11,15 @@ Every rank's committer thread, in save order, for each checkpoint:
    (a part missing in time: the rank is named; a failed part: its rank and cause; the
    manifest write failed) and it aborts the checkpoint and posts the outcome ``failed``, with
    the reason; a checkpoint every rank dropped is ``dropped``;
-3. every other rank waits for the outcome, bounded by ``timeout_s`` (a coordinator that
-   never answers is named too), and records the commit or the failure.
+3. every other rank waits for the outcome, bounded by ``timeout_s``, and records the
+   commit or the failure. A rank whose wait runs out decides the step failed itself, naming
+   the ranks whose part is missing (or the coordinator, if none is).
+
+The outcome is decided once, by compare-and-set on ``<step>/claim``: the coordinator claims
+it (``committing``) before it writes the manifest, and a rank that gave up waiting claims it
+(``failed``); whichever comes first holds for every rank, and the claim's holder posts the
+outcome everyone waits for. So a slow coordinator can cost a
+checkpoint but never make the ranks disagree about whether it committed.
 
 So a step commits only when every rank's files are durable and its part recorded, the
 previous checkpoint stays the latest until then, and every rank agrees on the outcome.
@@ -21,7 +28,8 @@ Nothing here is a collective: store requests only, safe from a background thread
 Store requests per rank and checkpoint: a non-coordinator posts its part, waits for the
 outcome, reads it and deletes its part (4, whatever the world size); the coordinator posts
 its part, waits for all parts (one request the store answers when they are all there),
-reads them (one ``multi_get``), posts the outcome and deletes the previous outcome (5).
+reads them (one ``multi_get``), claims and posts the outcome, deletes the previous claim
+and outcome and its own part (8). Only a wait that runs out asks after each rank's part.
 Keys live under a prefix private to one open of the root (a restarted job never reads an
 earlier attempt's keys); a part is deleted by its rank after the outcome, the outcome by
 the coordinator once every rank has posted the next part (so all have read it).
@@ -97,22 +105,15 @@ class StoreCoordinator:
             self.store.wait(keys, store_timeout(self.timeout_s))
             raw = self.store.multi_get(keys)
         except _STORE_ERRORS as e:
-            missing = self._missing(keys)
-            if missing is None:
-                error: UploadError = self._store_failed(step, "waiting for the parts of the other ranks", e)
-            else:
-                error = RankError(
-                    f"step {step}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                    f"finish {'their' if len(missing) > 1 else 'its'} part within timeout_s={self.timeout_s:g}s "
-                    "(died, or its uploads were too slow); the checkpoint is not committed and the previous one "
-                    "stays the latest", step=step, ranks=missing)
+            error = self._late(step, keys, e)
             self._fail(step, staging, error)
             raise error from e
         self._forget_previous(step)
         parts = [json.loads(b) for b in raw]
         statuses = [p.get("status") for p in parts]
         if all(s == "dropped" for s in statuses):
-            self._tell(step, {"status": "dropped"})
+            if self._decide_first(step, {"status": "dropped"}) is None:
+                self._tell(step, {"status": "dropped"})
             return None
         bad = [(r, p) for r, p in enumerate(parts) if p.get("status") != "ok"]
         if bad or manifest is None or name is None:
@@ -134,11 +135,19 @@ class StoreCoordinator:
                                      format_version=format_version_for(manifest.kind, files, ranked=True),
                                      figures=figures or None)
         data = merged.to_bytes()
+        # INVARIANT: the outcome is decided once. A rank that gave up waiting decided "failed"
+        # first: then nothing is committed, whatever every part said.
+        other = self._decide_first(step, {"status": "committing"})
+        if other is not None:
+            error = RankError(str(other.get("error") or f"step {step} was failed by another rank"), step=step,
+                              ranks=list(other.get("ranks") or []))
+            self._fail(step, staging, error, decided=True)  # (the outcome the other rank claimed)
+            raise error
         try:
             self.backend.commit(staging, name, data)
         except BaseException as e:
             self._fail(step, staging, UploadError(f"step {step}: writing the manifest failed: {type(e).__name__}: {e}",
-                                                  step=step))
+                                                  step=step), decided=True)
             raise
         self._tell(step, {"status": "committed", "manifest": data.decode()})
         self._drop_own_part(step)
@@ -146,32 +155,74 @@ class StoreCoordinator:
 
     def _outcome(self, step: int) -> Manifest:
         key = f"{step}/outcome"
+        keys = [f"{step}/p{r}" for r in range(self.world_size)]
         try:
-            self.store.wait([key], store_timeout(self.timeout_s))
+            try:
+                self.store.wait([key], store_timeout(self.timeout_s))
+            except _STORE_ERRORS as e:  # nobody decided in time: this rank decides "failed", unless one did
+                error = self._late(step, keys, e)
+                failed = {"status": "failed", "error": str(error), "ranks": error.ranks}
+                other = self._decide_first(step, failed)
+                if other is None:
+                    self._tell(step, failed)
+                    raise error from e
+                # the coordinator claimed it first and is writing the manifest: its outcome follows
+                self.store.wait([key], store_timeout(self.timeout_s))
             doc = json.loads(self.store.get(key))
         except _STORE_ERRORS as e:
-            if self._missing([key]) is None:
-                raise self._store_failed(step, "waiting for the coordinator's outcome", e) from e
-            raise RankError(f"step {step}: the coordinator (rank 0) did not commit it within timeout_s="
-                            f"{self.timeout_s:g}s (died, or its uploads or another rank's were too slow); the "
-                            "previous checkpoint stays the latest", step=step, ranks=[0]) from e
+            raise (self._late(step, keys, e) if self._missing([key]) else
+                   self._store_failed(step, "reading the outcome", e)) from e
         self._drop_own_part(step)
         if doc.get("status") == "committed":
             return Manifest.from_bytes(doc["manifest"].encode(), path=f"step {step}/{MANIFEST_NAME} (from rank 0)")
         raise RankError(str(doc.get("error") or f"step {step} was {doc.get('status')} on another rank"), step=step,
                         ranks=list(doc.get("ranks") or []))
 
+    def _late(self, step: int, keys: list[str], e: BaseException) -> UploadError:
+        """The error of a wait that ran out: the ranks whose part is missing, or the coordinator."""
+        missing = self._missing(keys)
+        if missing is None:
+            return self._store_failed(step, "waiting for the other ranks", e)
+        if not missing:
+            return RankError(f"step {step}: every rank posted its part, and the coordinator (rank 0) did not commit "
+                             f"it within timeout_s={self.timeout_s:g}s (died, or stalled); the previous checkpoint "
+                             "stays the latest", step=step, ranks=[0])
+        many = len(missing) > 1
+        return RankError(
+            f"step {step}: rank{'s' if many else ''} {', '.join(map(str, missing))} did not finish "
+            f"{'their' if many else 'its'} part within timeout_s={self.timeout_s:g}s (died, or its uploads were too "
+            "slow); the checkpoint is not committed and the previous one stays the latest", step=step, ranks=missing)
+
     # -- helpers ---------------------------------------------------------------------------
-    def _fail(self, step: int, staging: str, error: UploadError) -> None:
+    def _fail(self, step: int, staging: str, error: UploadError, *, decided: bool = False) -> None:
+        """Fail ``step`` for everyone (``decided``: this rank already holds the outcome)."""
         ranks = error.ranks if isinstance(error, RankError) else []
+        outcome = {"status": "failed", "error": str(error), "ranks": ranks}
+        try:
+            if decided or self._decide_first(step, outcome) is None:
+                self._tell(step, outcome)
+        except UploadError as e:
+            log.warning("mpckpt: %s", e)
+        self._abort_quietly(step, staging)
+
+    def _abort_quietly(self, step: int, staging: str) -> None:
         try:
             self.backend.abort(staging)
         except Exception as e:  # what is left is debris the next open removes
             log.warning("mpckpt: step %d: removing the files of the failed checkpoint: %s", step, e)
+
+    def _decide_first(self, step: int, outcome: dict[str, Any]) -> dict[str, Any] | None:
+        """Claim the decision on ``step`` unless a rank did already: None if this claim holds,
+        else the claim another rank made first (compare-and-set in the store: one decision).
+        The claim's holder then posts the outcome (``_tell``) that the other ranks wait for."""
+        key = f"{step}/claim"
+        mine = json.dumps(outcome, separators=(",", ":"))
         try:
-            self._tell(step, {"status": "failed", "error": str(error), "ranks": ranks})
-        except UploadError as e:
-            log.warning("mpckpt: %s", e)
+            current = self.store.compare_set(key, "", mine)
+        except _STORE_ERRORS as e:
+            raise self._store_failed(step, "deciding its outcome", e) from e
+        current = current.decode() if isinstance(current, bytes) else str(current)
+        return None if current == mine else json.loads(current)
 
     def _tell(self, step: int, outcome: dict[str, Any]) -> None:
         key = f"{step}/outcome"
@@ -179,15 +230,18 @@ class StoreCoordinator:
             self.store.set(key, json.dumps(outcome, separators=(",", ":")))
         except _STORE_ERRORS as e:
             raise self._store_failed(step, "posting the outcome", e) from e
-        self._last_outcome = key
+        if self.rank == 0:
+            self._last_outcome = key
 
     def _forget_previous(self, step: int) -> None:
         """Every rank posted its part of ``step``, so each has read the previous outcome."""
         if self._last_outcome is not None:
-            try:
-                self.store.delete_key(self._last_outcome)
-            except _STORE_ERRORS:
-                pass
+            previous = self._last_outcome.rsplit("/", 1)[0]
+            for key in (f"{previous}/outcome", f"{previous}/claim"):
+                try:
+                    self.store.delete_key(key)
+                except _STORE_ERRORS:
+                    pass
             self._last_outcome = None
 
     def _drop_own_part(self, step: int) -> None:

@@ -1,6 +1,7 @@
 """``mpckpt info ROOT STEP [--json]``: what one checkpoint holds, without reading its tensors.
 
-For a state: every tensor under its dotted state path (``model.0.weight``, the key ``export``
+For a state (one saved by the ranks of a job: as one, every DTensor at its global shape,
+with every rank's shard files): every tensor under its dotted state path (``model.0.weight``, the key ``export``
 writes it under) with dtype, shape, bytes and the shard file(s) holding it, tensors that
 share storage (tied weights) marked; then every other value (``path = value``, shortened;
 a pickled value is named, never unpickled). For a directory checkpoint: its files.
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     tensors: list[TensorInfo] = []
     values: list[ValueInfo] = []
     stored = 0
-    if manifest.kind == "state":
+    if manifest.ranked:  # saved by the ranks of a job: rank 0's view, with global shapes
+        tensors, values, stored = describe(_ranked_doc(backend, name, manifest), manifest, name)
+    elif manifest.kind == "state":
         skeleton = read_skeleton(backend, name, manifest)  # size, checksum, version and shape checked
         doc = {"tree": skeleton.tree, "table": skeleton.table, "leaves": skeleton.leaves}
         tensors, values, stored = describe(doc, manifest, name)
@@ -86,6 +89,30 @@ def run(args: argparse.Namespace) -> int:
         for f in files:
             say(f"  {f['path']}  {f['bytes']} bytes")
     return 0
+
+
+def _ranked_doc(backend: Any, name: str, manifest: Manifest) -> dict[str, Any]:
+    """A multi-rank checkpoint as one skeleton: rank 0's tree and table, each DTensor at its
+    global shape and every tensor with the shard files of every rank that stored part of it
+    (PerRank values: rank 0's, as a list of one)."""
+    from mpckpt._dist.skeleton import read_rank_skeletons
+
+    skeletons = read_rank_skeletons(backend, name, manifest)  # sizes, checksums and shape checked
+    files: dict[str, list[Any]] = {}
+    for sk in skeletons:
+        for spec in sk.leaves:
+            if spec["kind"] != "local":
+                files.setdefault(spec["name"], []).extend(spec.get("parts", []))
+    leaves = []
+    for spec in skeletons[0].leaves:
+        spec = dict(spec)
+        if spec["kind"] == "sharded":
+            spec["shape"] = spec["global_shape"]
+        if spec["kind"] != "local":
+            spec["parts"] = files.get(spec["name"], [])
+        spec.setdefault("parts", [])
+        leaves.append(spec)
+    return {"tree": skeletons[0].tree, "table": skeletons[0].table, "leaves": leaves}
 
 
 def _say_tensors(tensors: list[TensorInfo], stored_bytes: int) -> None:
