@@ -37,7 +37,7 @@ from typing import Any
 
 from mpckpt._apply import apply_state, init_optimizer_state
 from mpckpt._dist.group import RankGroup
-from mpckpt._dist.reading import load_ranked_for
+from mpckpt._dist.reading import load_ranked_for, shard_like_live
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._preemption import PreemptionWatch, parse_signals
 from mpckpt._runtime import Runtime, StorageView, caller_location, finalizer_for
@@ -530,8 +530,9 @@ class Checkpointer:
                         loaded, read = load_ranked_for(rt.backend, name, manifest, rank=rt.group.rank,
                                                        world_size=rt.group.world_size, targets=targets,
                                                        strict=strict, allow_pickle=self.config.allow_pickle)
-                    else:  # saved by one process: every rank reads it whole
-                        loaded = load_checkpoint(rt.backend, name, manifest, allow_pickle=self.config.allow_pickle)
+                    else:  # saved by one process: every rank reads it whole and keeps its shards
+                        loaded = shard_like_live(load_checkpoint(rt.backend, name, manifest,
+                                                                 allow_pickle=self.config.allow_pickle), targets)
                         read = sum(e.size for e in manifest.files.values())
             except CorruptCheckpointError as e:
                 if not fallback or step is not None:

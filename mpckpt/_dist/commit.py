@@ -178,7 +178,7 @@ class StoreCoordinator:
         raise RankError(str(doc.get("error") or f"step {step} was {doc.get('status')} on another rank"), step=step,
                         ranks=list(doc.get("ranks") or []))
 
-    def _late(self, step: int, keys: list[str], e: BaseException) -> UploadError:
+    def _late(self, step: int, keys: list[str], e: BaseException) -> RankError:
         """The error of a wait that ran out: the ranks whose part is missing, or the coordinator."""
         missing = self._missing(keys)
         if missing is None:
@@ -259,7 +259,7 @@ class StoreCoordinator:
             return None
         return [int(k.rsplit("/p", 1)[1]) if "/p" in k else 0 for k in missing]
 
-    def _store_failed(self, step: int, doing: str, e: BaseException) -> UploadError:
+    def _store_failed(self, step: int, doing: str, e: BaseException) -> RankError:
         return RankError(f"step {step}: the torch.distributed store failed while {doing} ({type(e).__name__}: "
                          f"{str(e)[:300]}); the process hosting it (the torchrun agent, or rank 0) may have died",
                          step=step)

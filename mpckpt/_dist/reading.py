@@ -425,3 +425,22 @@ def _check_parts(reader: _Reader, chunk: _Chunk, name: str) -> None:
         if key not in reader.files.header(file).entries:
             raise CorruptCheckpointError(f"{reader.name}/{file}: tensor {key[:80]!r} of {name[:80]!r} is missing from "
                                          "the shard", path=f"{reader.name}/{file}")
+
+
+def shard_like_live(loaded: Any, targets: dict[str, ShardInfo], path: str = "") -> Any:
+    """A state loaded whole (a checkpoint one process saved), with each tensor whose dotted
+    path is a live DTensor's replaced by this rank's shard of it, as a DTensor like the live one."""
+    if isinstance(loaded, torch.Tensor):
+        target = targets.get(path)
+        if target is None:
+            return loaded
+        if tuple(loaded.shape) != tuple(target.global_shape):
+            raise StateError(f"state key {path!r}: shape {list(loaded.shape)} in the checkpoint, "
+                             f"{list(target.global_shape)} in memory", key=path)
+        box = tuple(slice(o, o + n) for o, n in zip(target.offset, _local_shape(target), strict=True))
+        return _as_dtensor(loaded[box].contiguous(), target)
+    if isinstance(loaded, dict):
+        return {k: shard_like_live(v, targets, f"{path}.{k}" if path else str(k)) for k, v in loaded.items()}
+    if isinstance(loaded, list):
+        return [shard_like_live(v, targets, f"{path}.{i}" if path else str(i)) for i, v in enumerate(loaded)]
+    return loaded

@@ -34,10 +34,11 @@ def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.nn.Module):
-            ptrs.update(p.data_ptr() for p in value.parameters())
+            ptrs.update(_local(p).data_ptr() for p in value.parameters())
         elif isinstance(value, torch.optim.Optimizer):
             for per_param in value.state.values():
-                ptrs.update(t.data_ptr() for t in per_param.values() if isinstance(t, torch.Tensor) and t.numel())
+                ptrs.update(_local(t).data_ptr() for t in per_param.values()
+                            if isinstance(t, torch.Tensor) and t.numel())
         elif isinstance(value, dict):
             for v in value.values():
                 visit(v)
@@ -48,6 +49,11 @@ def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
     visit(state)
     return {i for i, (leaf, source) in enumerate(zip(flat.leaves, flat.sources, strict=True))
             if not leaf.raw and leaf.nbytes and source.data_ptr() in ptrs}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what a multi-rank save copies), or the tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 class BackgroundCopier:
