@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import sys
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from mpckpt.errors import StateError
 from mpckpt.per_rank import NOT_RESTORED, PerRank
 
+log = logging.getLogger("mpckpt")
 _SHOWN = 5  # keys named in a mismatch error, of each kind
 
 
@@ -190,28 +192,31 @@ def init_optimizer_state(state: Any) -> None:
     A freshly created optimizer has no moments, so a restore would have nothing to restore
     them into (for a sharded model, nothing that says how they are sharded). As
     torch.distributed.checkpoint's ``set_state_dict`` does, it takes one step with zero
-    gradients at learning rate 0 (nothing moves: the parameters and their gradients are left
-    as they were), and the restore then overwrites what that step made.
+    gradients at learning rate 0 (nothing moves), and the restore then overwrites what that
+    step made. Gradients the parameters already had are put back afterwards.
     """
     for optimizer in _optimizers(state, set()):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if optimizer.state or any(p.grad is not None for p in params):
+        if optimizer.state:
             continue
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
         lrs = [group.get("lr") for group in optimizer.param_groups]
         try:
             for p in params:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
             for group in optimizer.param_groups:
                 if "lr" in group:
                     group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
             optimizer.step()
+        except Exception as e:  # an optimizer whose step needs more (LBFGS: a closure): restored as it is
+            log.warning("mpckpt: could not make the state of a fresh %s before restoring it (%s: %s); its state is "
+                        "restored as saved", type(optimizer).__name__, type(e).__name__, e)
         finally:
             for group, lr in zip(optimizer.param_groups, lrs, strict=True):
                 if lr is not None:
                     group["lr"] = lr
-            for p in params:
-                p.grad = None
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
 
 
 def _optimizers(value: Any, seen: set[int]) -> list[torch.optim.Optimizer]:
