@@ -51,6 +51,7 @@ from mpckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     MpckptError,
+    RankError,
     StateError,
     StepOrderError,
     add_note,
@@ -112,6 +113,9 @@ class Checkpointer:
         if read_only is not False:
             raise ConfigError(f"read_only={read_only!r} must be True or False")
         group = RankGroup.detect(process_group)
+        if group is not None and group.world_size > 1 and getattr(backend, "process_local", False):
+            raise ConfigError(f"{backend.url} lives in this process's memory, where the other ranks of the job cannot "
+                              "see it; give a multi-rank job a root every rank reaches (a shared path, s3://, az://)")
         if group is not None and validate is not None:
             raise ConfigError("validate= is not available in a multi-rank job yet; validate the committed checkpoints "
                               "from one process (mpckpt.load(root) gives the whole state), or save from one process")
@@ -524,6 +528,7 @@ class Checkpointer:
         for candidate in candidates:
             manifest = committed[candidate]
             name = checkpoint_name(candidate)
+            failure: BaseException | None = None
             try:
                 with rt.reading(candidate):
                     if manifest.ranked:
@@ -534,15 +539,27 @@ class Checkpointer:
                         loaded = shard_like_live(load_checkpoint(rt.backend, name, manifest,
                                                                  allow_pickle=self.config.allow_pickle), targets)
                         read = sum(e.size for e in manifest.files.values())
-            except CorruptCheckpointError as e:
-                if not fallback or step is not None:
-                    raise
-                log.warning("mpckpt: step %s does not verify, trying an older one: %s", candidate, e)
+                apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
+            except MpckptError as e:
+                failure = e
+            # every rank learns how every other fared, so all go on from the same step or all stop
+            mine = None if failure is None else (str(failure), isinstance(failure, CorruptCheckpointError))
+            every = rt.group.all_gather(mine)
+            failed = [(r, f[0]) for r, f in enumerate(every) if f is not None]
+            if not failed:
+                self.stats.restored_bytes = read
+                self.prepare(state)
+                return candidate
+            corrupt = all(f[1] for f in every if f is not None)  # decided alike on every rank
+            if fallback and step is None and corrupt:
+                log.warning("mpckpt: step %s could not be restored on rank %s, trying an older one: %s", candidate,
+                            failed[0][0], failed[0][1])
                 continue
-            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
-            self.stats.restored_bytes = read
-            self.prepare(state)
-            return candidate
+            if failure is not None:
+                raise failure
+            rank, why = failed[0]
+            raise RankError(f"restoring step {candidate} failed on rank {rank}: {why}", step=candidate,
+                            ranks=[r for r, _ in failed])
         raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
 
 
