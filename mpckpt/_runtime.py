@@ -152,7 +152,8 @@ class Runtime:
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
             self.pool.start()
-            budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen)
+            budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen,
+                            owns_staging=group is None)
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
             if group is not None:
                 self.saver.planner = Planner(group)

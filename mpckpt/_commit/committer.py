@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpckpt._commit.coordinator import Coordinator
+from mpckpt._commit.coordinator import Coordinator, StepDropped
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt.errors import MpckptError, UploadError, upload_error
@@ -85,6 +85,11 @@ class Committer:
             told = True  # ``_commit`` tells it, whatever happens
             try:
                 manifest = self._commit(record)
+            except StepDropped as e:  # another rank of the job dropped it: no rank commits it
+                log.warning("mpckpt: %s", e)
+                record.stats.status = "skipped"
+                record.future._resolve(None)
+                return
             except BaseException as e:
                 self.ledger.mark_failed(record, e)
             else:

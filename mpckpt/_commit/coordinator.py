@@ -20,6 +20,12 @@ from mpckpt.format.manifest import Manifest
 from mpckpt.storage import Backend
 
 
+class StepDropped(Exception):
+    """Raised by ``Coordinator.commit``: another rank dropped this step (its memory budget was
+    full under ``policy='skip'``, or it coalesced the step away), so no rank commits it; like
+    a skipped save, it resolves with no checkpoint and is not an error."""
+
+
 class Coordinator(Protocol):
     """Publishes checkpoints whose files are durable."""
 

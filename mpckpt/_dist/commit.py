@@ -10,7 +10,8 @@ Every rank's committer thread, in save order, for each checkpoint:
    posts the *outcome* ``<step>/outcome`` = committed, with the manifest. Anything else
    (a part missing in time: the rank is named; a failed part: its rank and cause; the
    manifest write failed) and it aborts the checkpoint and posts the outcome ``failed``, with
-   the reason; a checkpoint every rank dropped is ``dropped``;
+   the reason; a checkpoint any rank dropped (and none failed) is ``dropped`` everywhere, as
+   a skipped save is (``StepDropped``: no checkpoint, not an error);
 3. every other rank waits for the outcome, bounded by ``timeout_s``, and records the
    commit or the failure. A rank whose wait runs out decides the step failed itself, naming
    the ranks whose part is missing (or the coordinator, if none is).
@@ -42,6 +43,7 @@ import json
 import logging
 from typing import Any
 
+from mpckpt._commit.coordinator import StepDropped
 from mpckpt._dist.group import store_timeout
 from mpckpt.errors import RankError, UploadError
 from mpckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, format_version_for
@@ -110,18 +112,22 @@ class StoreCoordinator:
             raise error from e
         self._forget_previous(step)
         parts = [json.loads(b) for b in raw]
-        statuses = [p.get("status") for p in parts]
-        if all(s == "dropped" for s in statuses):
-            if self._decide_first(step, {"status": "dropped"}) is None:
-                self._tell(step, {"status": "dropped"})
-            return None
-        bad = [(r, p) for r, p in enumerate(parts) if p.get("status") != "ok"]
-        if bad or manifest is None or name is None:
-            culprits = [r for r, _ in bad] or [self.rank]
-            why = "; ".join(f"rank {r}: {p.get('error') or p.get('status')}" for r, p in bad)
-            error = RankError(f"step {step} is not committed: {why}", step=step, ranks=culprits)
+        failed = [(r, p) for r, p in enumerate(parts) if p.get("status") not in ("ok", "dropped")]
+        if failed:
+            why = "; ".join(f"rank {r}: {p.get('error') or p.get('status')}" for r, p in failed)
+            error = RankError(f"step {step} is not committed: {why}", step=step, ranks=[r for r, _ in failed])
             self._fail(step, staging, error)
             raise error
+        dropped = [r for r, p in enumerate(parts) if p.get("status") == "dropped"]
+        if dropped or manifest is None or name is None:  # a step dropped anywhere is dropped everywhere
+            outcome = {"status": "dropped", "ranks": dropped}
+            if self._decide_first(step, outcome) is None:
+                self._tell(step, outcome)
+            self._abort_quietly(step, staging)
+            if manifest is not None:
+                raise StepDropped(f"step {step} was dropped on rank{'s' if len(dropped) > 1 else ''} "
+                                  f"{', '.join(map(str, dropped))} (memory budget full, policy skip or coalesce)")
+            return None
         files: dict[str, FileEntry] = {}
         written = 0
         for part in parts:
@@ -175,6 +181,10 @@ class StoreCoordinator:
         self._drop_own_part(step)
         if doc.get("status") == "committed":
             return Manifest.from_bytes(doc["manifest"].encode(), path=f"step {step}/{MANIFEST_NAME} (from rank 0)")
+        if doc.get("status") == "dropped":
+            ranks = list(doc.get("ranks") or [])
+            raise StepDropped(f"step {step} was dropped on rank{'s' if len(ranks) > 1 else ''} "
+                              f"{', '.join(map(str, ranks))} (memory budget full, policy skip or coalesce)")
         raise RankError(str(doc.get("error") or f"step {step} was {doc.get('status')} on another rank"), step=step,
                         ranks=list(doc.get("ranks") or []))
 

@@ -36,6 +36,9 @@ class Budget:
     pool: UploaderPool
     backend: Backend
     on_wait: Callable[[], None]  # called while waiting for memory: raises unseen background failures
+    # whether a coalesced checkpoint's staging folder is this process's to remove (in a
+    # multi-rank job the folder is every rank's: the coordinator removes it once the step is dropped)
+    owns_staging: bool = True
 
     def take_first(self, layout: Layout) -> Slab | None:
         """The slab of the first wave, or None when the policy is ``skip`` and the budget is full."""
@@ -70,5 +73,6 @@ class Budget:
             if self.pool.cancel(record.seq):
                 for slab in self.ledger.drop(record, "coalesced"):
                     self.arena.release(slab)
-                self.backend.abort(record.staging)
+                if self.owns_staging:
+                    self.backend.abort(record.staging)
                 return

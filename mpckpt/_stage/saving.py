@@ -78,9 +78,14 @@ class Snapshotter:
         stats = SaveStats(step, bytes=flat.nbytes)
         first = self.budget.take_first(layout) if layout.waves else None
         if layout.waves and first is None:
-            stats.status = "skipped"
             warnings.warn(f"mpckpt: memory budget full, checkpoint of step {step} skipped (policy 'skip')",
                           stacklevel=3)
+            if self.planner is not None:  # the other ranks must hear of it: the step is dropped on all
+                with self.ledger.recording(step, "state", stats, metrics) as record:
+                    pass
+                self.ledger.drop(record, "skipped")
+                return record.future
+            stats.status = "skipped"
             future = SaveFuture(stats)
             self.stats.saves.append(stats)
             future._resolve(None)

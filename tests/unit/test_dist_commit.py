@@ -178,3 +178,19 @@ def test_a_rank_that_gave_up_wins_over_a_late_coordinator(tmp_path, server):
     assert isinstance(results[1], RankError) and results[1].ranks == [0], results[1]
     assert isinstance(results[0], RankError), results[0]  # it found the step already failed
     assert not backend.exists(f"{checkpoint_name(6)}/{MANIFEST_NAME}")
+
+
+def test_a_step_one_rank_dropped_is_dropped_on_every_rank(tmp_path, server):
+    from mpckpt._commit.coordinator import StepDropped
+
+    def act(rank, coordinator, backend, staging):
+        if rank == 1:
+            coordinator.abandon(8, staging, "dropped", "skipped")
+            return "dropped"
+        return _commit(8)(rank, coordinator, backend, staging)
+
+    results, _, backend = _run(tmp_path, server, 3, 8, act)
+    for rank in (0, 2):
+        assert isinstance(results[rank], StepDropped) and "rank 1" in str(results[rank]), results[rank]
+    assert not backend.exists(f"{checkpoint_name(8)}/{MANIFEST_NAME}")
+    assert not [n for n in backend.list_names() if n.startswith(".tmp.")]  # the others' files went with it
