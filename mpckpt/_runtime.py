@@ -9,6 +9,10 @@ becomes unreachable without ``close()`` (a notebook variable bound again, a scri
 program, wait for the checkpoints already saved (bounded by ``timeout_s``), log every failure
 nobody has seen (never swallowed), and free everything.
 
+In a multi-rank job (``group``) every rank holds all of that except the writer lock, which
+rank 0 takes in the collective open (``_dist.opening``); the committer commits through the
+job's store (``_dist.commit.StoreCoordinator``) and only rank 0 deletes.
+
 A read-only Checkpointer holds none of that: ``StorageView`` answers its questions by looking
 at the root anew each time (another process writes there).
 
