@@ -391,8 +391,14 @@ def _local_shape(target: ShardInfo) -> tuple[int, ...]:
 
 
 def _as_dtensor(local: torch.Tensor, target: ShardInfo) -> torch.Tensor:
+    """``local`` (read into CPU memory) as this rank's shard of a DTensor like the live one,
+    on the live mesh's device."""
     from torch.distributed.tensor import DTensor
 
+    device_type = target.mesh.device_type
+    if device_type != "cpu":
+        module = getattr(torch, device_type)
+        local = local.to(torch.device(device_type, module.current_device()))
     return DTensor.from_local(local, target.mesh, target.placements, run_check=False,
                               shape=torch.Size(target.global_shape), stride=target.global_stride)
 

@@ -33,3 +33,44 @@ def test_cuda_state_round_trips_through_pinned_slabs(tmp_path):
     with mpckpt.Checkpointer(tmp_path, workers=1) as again:
         again.restore({"model": restored}, step=1, strict=False)  # the model alone
     assert all(p.is_cuda for p in restored.parameters())
+
+
+def test_fsdp2_on_a_cuda_mesh_saves_and_restores_as_cuda_dtensors(tmp_path):
+    """A one-rank NCCL job: CUDA DTensor shards go through pinned slabs and come back on the GPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+
+        def make() -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 300), torch.nn.Linear(300, 8)).cuda()
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
+
+        model = make()
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 256, device="cuda")).sum().backward()
+        opt.step()
+        with mpckpt.Checkpointer(tmp_path) as ckpt:
+            ckpt.save(1, {"model": model, "optim": opt})
+        full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+        assert_same(dict(sorted(mpckpt.load(tmp_path)["model"].items())), dict(sorted(full.items())))
+        fresh = make()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        fresh_opt = torch.optim.AdamW(fresh.parameters())
+        with mpckpt.Checkpointer(tmp_path) as ckpt:
+            assert ckpt.restore({"model": fresh, "optim": fresh_opt}) == 1
+        got = {k: v.full_tensor().cpu() for k, v in fresh.state_dict().items()}
+        assert_same(dict(sorted(got.items())), dict(sorted(full.items())))
+        moment = fresh_opt.state[next(iter(fresh_opt.state))]["exp_avg"]
+        assert type(moment).__name__ == "DTensor" and moment.to_local().is_cuda
+    finally:
+        dist.destroy_process_group()
