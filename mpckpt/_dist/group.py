@@ -39,7 +39,10 @@ class RankGroup:
     @classmethod
     def detect(cls, process_group: Any = None) -> RankGroup | None:
         """The group to checkpoint with: ``process_group``, else the default one if initialized,
-        else None (a single process)."""
+        else None (a single process). ``process_group=False``: this process alone, even in a
+        job (a root that only one rank writes)."""
+        if process_group is False:
+            return None
         try:
             import torch.distributed as dist
         except ImportError:  # a torch built without distributed support
