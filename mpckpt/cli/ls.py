@@ -63,7 +63,7 @@ def listing(committed: dict[int, Manifest], problems: dict[int, Exception]) -> l
         if step in problems:
             rows.append({"step": step, "time": None, "created_unix": None, "kind": None, "bytes": None,
                          "stored_bytes": None, "shared_bytes": None, "shared_files": None, "shared_users": None,
-                         "uses_steps": None, "files": None, "metrics": None, "kept": ["damaged"],
+                         "uses_steps": None, "files": None, "ranks": None, "metrics": None, "kept": ["damaged"],
                          "damaged": str(problems[step])})
             continue
         m = committed[step]
@@ -73,7 +73,8 @@ def listing(committed: dict[int, Manifest], problems: dict[int, Exception]) -> l
         rows.append({"step": step, "time": iso_time(m.created_unix), "created_unix": m.created_unix, "kind": m.kind,
                      "bytes": total_bytes(m), "stored_bytes": own_bytes(m), "shared_bytes": shared_bytes(m),
                      "shared_files": shared, "shared_users": {p: users[p] for p in shared}, "uses_steps": uses,
-                     "files": len(m.files), "metrics": m.metrics, "kept": kept, "damaged": None})
+                     "files": len(m.files), "ranks": m.world_size, "metrics": m.metrics, "kept": kept,
+                     "damaged": None})
     return rows
 
 
@@ -89,6 +90,8 @@ def _say_row(row: dict[str, Any]) -> None:
         depends += f" + {row['shared_bytes'] / 2**20:.1f} MiB shared ({len(row['shared_files'])} files{also})"
     if row["uses_steps"]:
         depends += f" + files of steps {_steps(row['uses_steps'])}"
+    if row["ranks"] > 1:
+        depends += f"  (saved by {row['ranks']} ranks)"
     say(f"{row['step']:>10}  {row['time']:<25}  {row['kind']:<9} {row['stored_bytes'] / 2**20:>10.1f} MiB  "
         f"{row['files']:>4} files  {json.dumps(row['metrics'])}{depends}")
 
