@@ -187,6 +187,14 @@ class Runtime:
     def committed(self) -> dict[int, Manifest]:
         return self.ledger.committed()
 
+    @property
+    def wait_s(self) -> float:
+        """How long a wait for pending checkpoints may take by default: ``timeout_s``; in a
+        multi-rank job twice that and a little more, since a step's commit waits up to
+        ``timeout_s`` for the other ranks only once this rank's own uploads are done, and a
+        wait must outlast it to give the ``RankError`` that names a dead rank."""
+        return self.config.timeout_s if self.group is None else 2 * self.config.timeout_s + 10.0
+
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
         """Retention keeps ``step`` while this process reads it (``load``, ``restore``)."""
@@ -306,7 +314,7 @@ class Runtime:
         if self.closed:
             return
         try:
-            self.wait(self.config.timeout_s)
+            self.wait(self.wait_s)
             self.errors.raise_unseen()
         finally:
             self.release()
@@ -320,7 +328,7 @@ class Runtime:
         self.preemption.uninstall()
         try:
             self.saver.close()
-            self._stop_background(timeout_s=self.config.timeout_s)
+            self._stop_background(timeout_s=self.wait_s)
         finally:
             self._let_go_of_lock()
 
@@ -391,6 +399,10 @@ class StorageView:
 
     def latest_step(self) -> int | None:
         return max(self.committed(), default=None)
+
+    @property
+    def wait_s(self) -> float:
+        return self.config.timeout_s
 
     def wait(self, timeout_s: float) -> None:
         return None

@@ -247,7 +247,7 @@ class Checkpointer:
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
         """Wait for the commit unless ASYNC; record how long the caller was blocked."""
         if mode is not UploadMode.ASYNC:
-            future.result(self.config.timeout_s)
+            future.result(self._rt.wait_s)
         future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
 
@@ -309,10 +309,13 @@ class Checkpointer:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed, and every pending
-        validation (``validate=``) has finished; raise unseen upload failures."""
+        validation (``validate=``) has finished; raise unseen upload failures.
+
+        By default the wait is bounded by ``timeout_s`` (in a multi-rank job: twice that and
+        ten seconds, so that a dead rank is reported by name, as a ``RankError``)."""
         if self._closed:
             return
-        self._rt.wait(self.config.timeout_s if timeout_s is None else timeout_s)
+        self._rt.wait(self._rt.wait_s if timeout_s is None else timeout_s)
         self._rt.errors.raise_unseen()
 
     def delete(self, *steps: int, damaged: bool = False) -> None:

@@ -9,10 +9,11 @@ load is spread over the ranks.
 
 Planning takes one collective on the training thread, on the first save of a state shape:
 every rank's digest of what it saves (the names, dtypes and shapes of its replicated and
-sharded leaves) and its own byte count. Ranks that disagree (a rank-dependent value not
-wrapped in ``PerRank``, a model built differently) get a ``StateError`` naming the first key
-that differs, on every rank alike. The plan is cached by the state's layout key: later saves
-of the same state run no collective at all.
+sharded leaves, and the key paths of its plain values outside ``PerRank``: the values
+themselves are not compared) and its own byte count. Ranks that disagree (a rank-dependent
+value not wrapped in ``PerRank``, a model built differently, a key only some ranks have) get
+a ``StateError`` naming the first key that differs, on every rank alike. The plan is cached
+by the state's layout key: later saves of the same state run no collective at all.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpckpt._dist.group import RankGroup
-from mpckpt._stage.snapshot import FlatState
+from mpckpt._stage.snapshot import TAG, FlatState, _path
 from mpckpt.errors import StateError
 
 BLOCK_BYTES = 1 << 20  # each file's bytes are checksummed per block too (ranged reads verify)
@@ -76,36 +77,64 @@ class Planner:
         return RankPlan(skip, writer)
 
     def _disagree(self, signature: list[tuple[Any, ...]], digests: list[str]) -> None:
-        """Ranks save different states: a second collective finds the first key that differs."""
+        """Ranks save different states: a second collective finds the first key that differs
+        (compared by name, so that a key one rank lacks does not shift the comparison of the rest)."""
         every = self.group.all_gather(signature)
-        base = every[0]
+        base = {entry[0]: entry for entry in every[0]}
+        hint = "Every rank must save the same keys with the same shapes; wrap values that differ per rank in " \
+               "mpckpt.PerRank(...)"
         for rank, sig in enumerate(every):
-            if sig == base:
+            if sig == every[0]:
                 continue
-            for mine, theirs in zip(base, sig, strict=False):
-                if mine != theirs:
-                    raise StateError(
-                        f"the ranks save different states: rank 0 has {_show(mine)}, rank {rank} has {_show(theirs)}. "
-                        "Every rank must save the same keys with the same shapes; wrap values that differ per rank in "
-                        "mpckpt.PerRank(...)", key=str(mine[0]))
-            longer, who = (base, 0) if len(base) > len(sig) else (sig, rank)
-            extra = longer[min(len(base), len(sig))]
-            raise StateError(f"the ranks save different states: only rank {who} has {_show(extra)}. Every rank must "
-                             "save the same keys; wrap values that differ per rank in mpckpt.PerRank(...)",
-                             key=str(extra[0]))
+            theirs = {entry[0]: entry for entry in sig}
+            for name, mine in base.items():
+                other = theirs.get(name)
+                if other is not None and other != mine:
+                    raise StateError(f"the ranks save different states: rank 0 has {_show(mine)}, rank {rank} has "
+                                     f"{_show(other)}. {hint}", key=str(name))
+            for name, mine in base.items():
+                if name not in theirs:
+                    raise StateError(f"the ranks save different states: rank 0 has {_show(mine)}, rank {rank} has no "
+                                     f"{name!r}. {hint}", key=str(name))
+            for name, other in theirs.items():
+                if name not in base:
+                    raise StateError(f"the ranks save different states: rank {rank} has {_show(other)}, rank 0 has no "
+                                     f"{name!r}. {hint}", key=str(name))
+            first = next((a for a, b in zip(every[0], sig, strict=False) if a != b), (every[0] or sig)[0])
+            raise StateError(f"the ranks save the same keys in another order: from {first[0]!r} on, rank 0 and rank "
+                             f"{rank} differ. {hint}", key=str(first[0]))
 
 
 def _signature(flat: FlatState) -> list[tuple[Any, ...]]:
-    """What every rank must agree on: each non-local leaf's name, kind, dtype and (global) shape."""
+    """What every rank must agree on: each non-local leaf's name, kind, dtype and (global) shape,
+    then the key path of each plain value outside a ``PerRank`` (not the value: only its place)."""
     assert flat.dist is not None
-    out = []
+    out: list[tuple[Any, ...]] = []
     for i, leaf in enumerate(flat.leaves):
         kind = flat.dist.kinds[i]
         if kind == "local":
             continue
         shape = flat.dist.shards[i].global_shape if kind == "sharded" else leaf.shape
         out.append((leaf.name, kind, leaf.code, tuple(shape)))
+    out.extend((path, "value", "", ()) for path in _value_paths(flat.tree, ""))
     return out
+
+
+def _value_paths(node: Any, path: str) -> list[str]:
+    """The key paths of the plain values in skeleton tree ``node`` (tensors and PerRank values left out)."""
+    if isinstance(node, list):
+        return [p for i, x in enumerate(node) for p in _value_paths(x, _path(path, i))]
+    if not isinstance(node, dict):
+        return [path]
+    tag = node.get(TAG)
+    if tag in ("tensor", "per_rank"):
+        return []
+    keys, values = node.get("k"), node.get("v")
+    if isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values):  # dict, odict, dataclass ...
+        return [p for k, v in zip(keys, values, strict=True) for p in _value_paths(v, _path(path, k))]
+    if isinstance(values, list):  # tuple, set ...
+        return [p for i, x in enumerate(values) for p in _value_paths(x, _path(path, i))]
+    return [path]  # one value (a float that is not finite, bytes, a dtype ...)
 
 
 def _digest(signature: list[tuple[Any, ...]]) -> str:
@@ -114,4 +143,6 @@ def _digest(signature: list[tuple[Any, ...]]) -> str:
 
 def _show(entry: tuple[Any, ...]) -> str:
     name, kind, code, shape = entry
+    if kind == "value":
+        return f"{name!r} (a value)"
     return f"{name!r} ({kind}, {code}, shape {list(shape)})"
