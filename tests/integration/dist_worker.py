@@ -15,7 +15,8 @@ what it saw into the folder ``OUT``, which the test reads afterwards:
               checkpoint, saved by ``--saved-world`` ranks: at another world size ``restore(strict=True)``
               must raise a StateError (its message goes to the view), then ``strict=False`` restores. Rank 0
               dumps the restored tensors (``restored.pt``); every rank draws (``draw-r<rank>.pt``); then one
-              more training step is saved and dumped (``full-<step>.pt``).
+              more training step is saved and dumped (``full-<step>.pt``). ``--fallback``: restore with
+              ``fallback=True`` and stop there.
 ``kill``      saves step 1 and waits; at step 2 rank 1 SIGKILLs itself right after ``save``, rank 0 waits
               and records the error (``kill-r0.json``).
 ``mismatch``  the ranks save states that differ (one root per case: ``ROOT/<case>``); each rank records the
@@ -175,12 +176,15 @@ def restore(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
                 view["strict_error"] = {"key": e.key, "message": str(e)}
             restored = ckpt.restore(state, strict=False)
         else:
-            restored = ckpt.restore(state)
+            restored = ckpt.restore(state, fallback=args.fallback)
         draw(out / f"draw-r{rank}.pt")
         dumped = full_state(model, opt)
         if rank == 0:
             torch.save(dumped, out / "restored.pt")
         view.update(restored=restored, restored_bytes=ckpt.stats.restored_bytes)
+        if args.fallback:  # the damaged newer step keeps its number: nothing more is saved
+            write_json(out / f"view-r{rank}.json", view)
+            return
         step = restored + 1
         train_step(model, opt, step, rank)
         ckpt.save(step, state)
@@ -253,6 +257,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["fsdp", "ddp"], default="fsdp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--fallback", action="store_true")
     parser.add_argument("--crash-at", type=int)
     parser.add_argument("--saved-world", type=int)
     parser.add_argument("--timeout-s", type=float, default=10.0)

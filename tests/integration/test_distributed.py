@@ -13,6 +13,8 @@ folder the test reads: the full tensors rank 0 gathered (``DTensor.full_tensor()
   model and moments come back bit for bit, ``restore(strict=True)`` is a StateError naming 'rng'
   on every rank, ``strict=False`` restores, and one more step trains and commits.
 - PerRank at the same world size: each rank's generators come back to that rank.
+- A newest step that one rank cannot read (its shards damaged): ``restore(fallback=True)`` falls back
+  to the same older step on every rank.
 - Two "nodes" (two torchrun agents on loopback): save and consolidated load.
 - A rank SIGKILLed mid-checkpoint, without an agent: the other rank gets a RankError naming it
   within about ``timeout_s``, the step never commits, a reopen leaves no staging folder. With
@@ -282,6 +284,21 @@ def test_per_rank_rng_state_comes_back_to_its_rank(tmp_path, fsdp2):
     assert all("strict_error" not in v and v["restored"] == STEPS - 1 for v in run.views("view"))
     restored = torch.load(run.out / "restored.pt")
     assert_equals_full({"model": restored["model"], "optim": {"state": restored["optim"]}}, fsdp2.full(STEPS - 1))
+
+
+def test_a_step_one_rank_cannot_read_makes_every_rank_fall_back_together(tmp_path, fsdp2):
+    root = copy_root(fsdp2, tmp_path / "root")
+    last = Path(root) / f"step_{STEPS - 1:010d}"
+    for shard in last.glob("r00001-shard-*.safetensors"):  # rank 1's own shards of the newest step
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    torchrun(2, "restore", root, tmp_path / "out", "--saved-world", 2, "--fallback", log=tmp_path / "log.txt")
+    views = Run(root, tmp_path / "out", 2, STEPS).views("view")
+    assert [v["restored"] for v in views] == [STEPS - 2, STEPS - 2], views  # the same step on every rank
+    assert "trying an older one" in tail(tmp_path / "log.txt")
+    restored = torch.load(tmp_path / "out" / "restored.pt")
+    assert_equals_full({"model": restored["model"], "optim": {"state": restored["optim"]}}, fsdp2.full(STEPS - 2))
 
 
 # -- failures -------------------------------------------------------------------------------------------
