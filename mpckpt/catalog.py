@@ -145,13 +145,37 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
     and Enum members as their names, without importing their classes: a checkpoint whose
     classes were renamed or removed still loads.
 
+    ``root`` may also be the path or URL of one checkpoint's folder (``runs/exp1/step_0000000042``,
+    what Ray Train's ``Result.checkpoint.path`` holds): that checkpoint is loaded.
+
     Needs no model or optimizer objects and never writes. Every file is verified. A reader
     may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
     while it is read, or between listing and reading its manifest, is not damage; the newest
     one is looked up again.
     """
-    backend = open_backend(spec_for_url(root, dict(storage_options or {})))
+    options = dict(storage_options or {})
+    folder = _checkpoint_folder(root, options)
+    if folder is not None:
+        parent, folder_step = folder
+        if step is not None and step != folder_step:
+            raise CheckpointNotFoundError(f"{root} is the checkpoint of step {folder_step}, not of step {step}")
+        return load_newest(parent, folder_step, allow_pickle=allow_pickle, classes=classes)[1]
+    backend = open_backend(spec_for_url(root, options))
     return load_newest(backend, step, allow_pickle=allow_pickle, classes=classes)[1]
+
+
+def _checkpoint_folder(root: str | os.PathLike[str], options: dict[str, Any]) -> tuple[Backend, int] | None:
+    """``(backend of the parent root, step)`` when ``root`` names one committed checkpoint's folder."""
+    text = os.fspath(root).rstrip("/")
+    head, _, name = text.rpartition("/")
+    step = step_of(name)
+    if step is None or not head or head.endswith(":/"):
+        return None
+    try:
+        parent = open_backend(spec_for_url(head, options))
+        return (parent, step) if parent.exists(f"{name}/{MANIFEST_NAME}") else None
+    except MpckptError:
+        return None
 
 
 def load_newest(backend: Backend, step: int | None = None, *, allow_pickle: bool = False,

@@ -352,3 +352,16 @@ def test_memory_filesystem_uses_in_process_uploaders(tmp_path):
     assert ckpt.steps() == [0, 1]
     loaded = mpckpt.load(url)
     assert_same(model.state_dict(), loaded["model"])
+
+
+def test_load_takes_the_folder_of_one_checkpoint(tmp_path):
+    """``mpckpt.load`` of ``<root>/step_...`` (what Ray's ``Result.checkpoint.path`` names) loads that step."""
+    with mpckpt.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((3,), float(step))})
+    assert torch.equal(mpckpt.load(tmp_path / "step_0000000001")["w"], torch.full((3,), 1.0))
+    assert torch.equal(mpckpt.load(f"{tmp_path}/step_0000000002/")["w"], torch.full((3,), 2.0))
+    with pytest.raises(mpckpt.errors.CheckpointNotFoundError, match="step 1, not of step 2"):
+        mpckpt.load(tmp_path / "step_0000000001", step=2)
+    with pytest.raises(mpckpt.errors.CheckpointNotFoundError):
+        mpckpt.load(tmp_path / "step_0000000003")  # no such checkpoint: read as a root, which has none
