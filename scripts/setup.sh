@@ -14,7 +14,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 # The package itself, editable, with the extras the demo and tests use.
 if [ "${1:-}" = "--test" ]; then
-  pip_install -e ".[test,azure,s3]"
+  # torch pinned along: a framework's install must never replace the CPU build
+  pip_install -e ".[test,azure,s3]" "torch==2.13.0"
   if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
     mkdir -p .tools
     (cd .tools && npm install --silent --no-audit --no-fund --prefix . azurite@3 >/dev/null)

@@ -59,8 +59,12 @@ _ROUND_TRIP = """
         try:
             importlib.import_module(info.name)
         except ImportError as e:
-            if info.name not in optional:
+            framework = info.name.startswith("mpckpt.integrations.")  # each needs its framework's extra
+            if info.name not in optional and not framework:
                 raise
+            if framework:
+                extra = info.name.rsplit(".", 1)[1]
+                assert f"pip install 'mpckpt[{extra}]'" in str(e), (info.name, e)  # the install hint
             print("optional", info.name, e)
     print("imported every module")
 
