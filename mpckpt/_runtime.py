@@ -187,6 +187,20 @@ class Runtime:
     def committed(self) -> dict[int, Manifest]:
         return self.ledger.committed()
 
+    def complete(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with its files: a multi-rank summary (``Manifest.complete`` False, what
+        ranks other than 0 learn at a commit) is read from storage, once."""
+        if manifest.complete:
+            return manifest
+        from mpckpt.catalog import read_manifest
+
+        full = read_manifest(self.backend, checkpoint_name(manifest.step))
+        if full.seq != manifest.seq:
+            raise CheckpointNotFoundError(f"the checkpoint of step {manifest.step} in {self.backend.url} is not the "
+                                          "one this job committed (replaced by hand?)")
+        self.ledger.update_committed(manifest.step, lambda _: full)
+        return full
+
     @property
     def wait_s(self) -> float:
         """How long a wait for pending checkpoints may take by default: ``timeout_s``; in a

@@ -418,6 +418,8 @@ class Checkpointer:
     def checkpoint(self, step: int | None = None) -> Checkpoint:
         """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
         manifest = self._catalog().manifest(step, self.url)
+        if isinstance(self._rt, Runtime):
+            manifest = self._rt.complete(manifest)  # (a rank other than 0 learns only a summary)
         name = checkpoint_name(manifest.step)
         return Checkpoint(f"{self.url}/{name}", _stored=(self._rt.backend, name, manifest))
 
@@ -529,11 +531,11 @@ class Checkpointer:
         assert flat.dist is not None
         targets = {flat.leaves[i].name: shard for i, shard in flat.dist.shards.items()}
         for candidate in candidates:
-            manifest = committed[candidate]
             name = checkpoint_name(candidate)
             failure: BaseException | None = None
             try:
                 with rt.reading(candidate):
+                    manifest = rt.complete(committed[candidate])
                     if manifest.ranked:
                         loaded, read = load_ranked_for(rt.backend, name, manifest, rank=rt.group.rank,
                                                        world_size=rt.group.world_size, targets=targets,

@@ -7,7 +7,9 @@ Every rank's committer thread, in save order, for each checkpoint:
    (with why) or ``dropped``;
 2. rank 0 (the coordinator) waits for every part, bounded by ``timeout_s``. All ``ok``: it
    merges the files into one global manifest and writes it last (``Backend.commit``), then
-   posts the *outcome* ``<step>/outcome`` = committed, with the manifest. Anything else
+   posts the *outcome* ``<step>/outcome`` = committed, with the manifest's summary (all but
+   the file list, which grows with the ranks: the others read the manifest from storage when
+   they read the checkpoint). Anything else
    (a part missing in time: the rank is named; a failed part: its rank and cause; the
    manifest write failed) and it aborts the checkpoint and posts the outcome ``failed``, with
    the reason; a checkpoint any rank dropped (and none failed) is ``dropped`` everywhere, as
@@ -155,9 +157,12 @@ class StoreCoordinator:
             self._fail(step, staging, UploadError(f"step {step}: writing the manifest failed: {type(e).__name__}: {e}",
                                                   step=step), decided=True)
             raise
-        self._tell(step, {"status": "committed", "manifest": data.decode()})
+        committed = Manifest.from_bytes(data, path=f"{name}/{MANIFEST_NAME}")
+        # the others get the summary, not the file list: the store sends it to every rank, and
+        # a list that grows with the ranks would make that traffic grow with their square
+        self._tell(step, {"status": "committed", "summary": committed.summary()})
         self._drop_own_part(step)
-        return Manifest.from_bytes(data, path=f"{name}/{MANIFEST_NAME}")
+        return committed
 
     def _outcome(self, step: int) -> Manifest:
         key = f"{step}/outcome"
@@ -180,7 +185,7 @@ class StoreCoordinator:
                    self._store_failed(step, "reading the outcome", e)) from e
         self._drop_own_part(step)
         if doc.get("status") == "committed":
-            return Manifest.from_bytes(doc["manifest"].encode(), path=f"step {step}/{MANIFEST_NAME} (from rank 0)")
+            return Manifest.from_summary(doc["summary"])  # a reader reads the whole manifest when it needs it
         if doc.get("status") == "dropped":
             ranks = list(doc.get("ranks") or [])
             raise StepDropped(f"step {step} was dropped on rank{'s' if len(ranks) > 1 else ''} "

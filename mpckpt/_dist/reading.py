@@ -22,6 +22,7 @@ job): what one rank needs, DTensors built on the live state's meshes and placeme
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import math
@@ -43,6 +44,7 @@ from mpckpt.per_rank import NOT_RESTORED, PerRank
 from mpckpt.storage import Backend
 
 _WINDOW = 64 << 20  # most bytes one request reads (and one thread holds)
+_KEPT_BLOCKS = 32   # verified blocks kept for neighbouring ranges (32 MiB at the default block size)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class _Files:
         self._lock = threading.Lock()
         self._headers: dict[str, ParsedHeader] = {}
         self._sizes: dict[str, int] = {}
+        self._blocks_kept: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
 
     def _size(self, file: str) -> int:
         size = self._sizes.get(file)
@@ -102,7 +105,12 @@ class _Files:
         return found
 
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``file``, verified."""
+        """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``file``, verified.
+
+        Reads whole blocks, in windows of at most ``_WINDOW``; the first and last block of a
+        window (the ones a neighbouring range, a small tensor beside it, also needs) are kept,
+        verified, in a small cache, so ranges that share a block read it once.
+        """
         size = self._size(file)
         location = self.manifest.location(self.name, file)
         if offset < 0 or offset + len(out) > size:
@@ -114,19 +122,42 @@ class _Files:
         window = max(block_size, _WINDOW // block_size * block_size)
         while pos < end:
             first = pos // block_size * block_size
+            cached = self._cached(file, first // block_size)
+            if cached is not None:
+                take = min(end, first + len(cached)) - pos
+                out[pos - offset:pos - offset + take] = cached[pos - first:pos - first + take]
+                pos += take
+                continue
             last = min(size, -(-min(end, first + window) // block_size) * block_size)
             buf = bytearray(last - first)
             self.backend.read_into(location, first, memoryview(buf))
-            for k in range(first // block_size, -(-last // block_size)):
+            blocks = range(first // block_size, -(-last // block_size))
+            for k in blocks:
                 lo = k * block_size - first
                 if xxhash.xxh3_64(memoryview(buf)[lo:lo + block_size]).hexdigest() != digests[k]:
                     raise CorruptCheckpointError(f"{location}: block {k} (bytes {k * block_size}+) does not match its "
                                                  "checksum; the file is damaged", path=location)
+            for k in {blocks[0], blocks[-1]}:
+                lo = k * block_size - first
+                self._keep(file, k, bytes(buf[lo:lo + block_size]))
             take = min(end, last) - pos
             out[pos - offset:pos - offset + take] = memoryview(buf)[pos - first:pos - first + take]
             with self._lock:
                 self.bytes_read += len(buf)
             pos += take
+
+    def _cached(self, file: str, block: int) -> bytes | None:
+        with self._lock:
+            data = self._blocks_kept.get((file, block))
+            if data is not None:
+                self._blocks_kept.move_to_end((file, block))
+            return data
+
+    def _keep(self, file: str, block: int, data: bytes) -> None:
+        with self._lock:
+            self._blocks_kept[(file, block)] = data
+            while len(self._blocks_kept) > _KEPT_BLOCKS:
+                self._blocks_kept.popitem(last=False)
 
     def header(self, file: str) -> ParsedHeader:
         with self._lock:

@@ -104,6 +104,23 @@ class Manifest:
     validate: bool = False  # saved with validate=: a validation.json may add metrics (format/validation.py)
     # the metrics of that validation.json as a reader joined them into ``metrics``; never written here
     validation: dict[str, Any] | None = field(default=None, compare=False)
+    # False for a multi-rank checkpoint's summary as the other ranks learn it (``summary``): all
+    # but the files, which only a reader needs (it reads the manifest itself then)
+    complete: bool = field(default=True, compare=False)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the file list (what retention and queries need), as JSON."""
+        return {"step": self.step, "seq": self.seq, "kind": self.kind, "metrics": _json_safe_metrics(self.metrics),
+                "created_unix": self.created_unix, "world_size": self.world_size,
+                "format_version": self.format_version, "figures": self.figures}
+
+    @classmethod
+    def from_summary(cls, doc: dict[str, Any]) -> Manifest:
+        """The manifest ``summary`` describes, without its files (``complete`` False)."""
+        return cls(step=int(doc["step"]), seq=int(doc["seq"]), kind=str(doc["kind"]), files={},
+                   metrics=_metrics(doc.get("metrics")), created_unix=float(doc["created_unix"]),
+                   world_size=int(doc["world_size"]), format_version=int(doc["format_version"]),
+                   figures=_figures(doc.get("figures")), complete=False)
 
     @property
     def ranked(self) -> bool:
@@ -149,6 +166,8 @@ class Manifest:
             body["figures"] = dict(self.figures)
         if self.validation is not None:
             raise ValueError("a manifest with validation metrics joined is a reader's view; write the committed one")
+        if not self.complete:
+            raise ValueError("a manifest summary has no files; write the committed manifest")
         if self.validate:
             body["validate"] = True
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))

@@ -96,9 +96,11 @@ def test_every_rank_gets_the_one_global_manifest(tmp_path, server, world):
     results, _, backend = _run(tmp_path, server, world, 3, _commit(3))
     manifests = [results[r] for r in range(world)]
     assert all(isinstance(m, Manifest) for m in manifests), manifests
-    assert len({m.to_bytes() for m in manifests}) == 1  # byte for byte the same on every rank
     stored = Manifest.from_bytes(backend.read_bytes(f"{checkpoint_name(3)}/{MANIFEST_NAME}"), path="m")
-    assert stored.to_bytes() == manifests[0].to_bytes()
+    assert stored.to_bytes() == manifests[0].to_bytes() and manifests[0].complete
+    # the other ranks learn the summary (no file list: the store sends it to every rank), the same one
+    assert all(not m.complete and m.files == {} for m in manifests[1:])
+    assert all(json.dumps(m.summary()) == json.dumps(stored.summary()) for m in manifests)
     assert stored.world_size == world and stored.format_version == 4 and stored.ranked
     assert set(stored.files) == {rel for r in range(world) for rel in
                                  (rank_skeleton_name(r), f"{rank_prefix(r)}shard-00000.safetensors")}
