@@ -27,7 +27,8 @@ from mpckpt._dist.group import RankGroup
 from mpckpt._stage.snapshot import TAG, FlatState, _path
 from mpckpt.errors import StateError
 
-BLOCK_BYTES = 1 << 20  # each file's bytes are checksummed per block too (ranged reads verify)
+BLOCK_BYTES = 256 << 10  # each file's bytes are checksummed per block too (ranged reads verify; at most two
+# partial blocks are read beyond a range: 256 KiB keeps that small, and 4,096 checksums per GiB in the skeleton)
 
 
 @dataclass(frozen=True)
