@@ -22,18 +22,19 @@ the *coordinator* time is from that same moment to rank 0's ``commit`` returning
 parts, writing the manifest, posting the outcome); *woken* is from the coordinator's outcome
 ``set`` to the other ranks' ``wait`` returning; *CPU* is the thread CPU time of one rank's
 ``commit`` call (inflated here by the threads' contention for the GIL); *parse alone* is
-what a rank does with the outcome it read (``json.loads`` + ``Manifest.from_bytes`` of the
-global manifest), timed afterwards in one thread with nothing else running. The table gives the median over the steps
+what a rank does with the outcome it read (``json.loads`` + ``Manifest.from_summary``: the
+outcome carries the manifest's summary, not its file list), timed afterwards in one thread
+with nothing else running. The table gives the median over the steps
 after the first, and the store requests per rank and step: the coordinator's and the
 min..max over the other ranks (counted calls of set, get, wait, check, multi_get,
 delete_key, add, compare_set), the bytes the coordinator's ``multi_get`` returned, and the
-bytes of outcome the store sent to all ranks together (every rank gets the global manifest).
+bytes of outcome the store sent to all ranks together (every rank gets the summary).
 
 What it does not show: the network between hosts, and ranks that run in parallel. Every
 client talks to the server over loopback, and the simulated ranks are threads of one process
-sharing its GIL and the machine's 2 cores: the work each rank does after the outcome (parsing
-the global manifest, which grows with the world size) runs one rank after another here, so
-beyond a few dozen ranks the measured latency is mostly that queue (about ranks x CPU per
+sharing its GIL and the machine's 2 cores: the work each rank does around its requests runs
+one rank after another here, so beyond a few dozen ranks the measured latency is mostly that
+queue (about ranks x CPU per
 rank), not the protocol. The request counts and the bytes are exact.
 
     .venv/bin/python bench/commit_scale.py --ranks 2,4,8,16,32,64,128,256,512,1024 --steps 4 \\
@@ -181,8 +182,10 @@ def run_world(world: int, port: int, folder: str, steps: int, timeout_s: float) 
                     waited[rank] = stores[rank].waited_at  # type: ignore[union-attr]
                     if rank == 0:
                         manifest_bytes.append(got.to_bytes())
-                    if len(got.files) != 2 * world:
-                        raise AssertionError(f"rank {rank}: the outcome lists {len(got.files)} files")
+                    if rank == 0 and len(got.files) != 2 * world:
+                        raise AssertionError(f"rank {rank}: the manifest lists {len(got.files)} files")
+                    if rank > 0 and (got.complete or got.step != step):  # the others learn its summary
+                        raise AssertionError(f"rank {rank}: the outcome is not the summary of step {step}")
             except BaseException as e:
                 errors.append(e)
             end.wait()
@@ -250,13 +253,15 @@ def run_world(world: int, port: int, folder: str, steps: int, timeout_s: float) 
 
 def parse_alone_ms(manifest: bytes, repeats: int = 5) -> float:
     """What a non-coordinator does with the outcome it read, timed alone in this thread (no other
-    rank queued for the GIL): the median of ``repeats`` times ``json.loads`` + ``Manifest.from_bytes``."""
-    raw = json.dumps({"status": "committed", "manifest": manifest.decode()}, separators=(",", ":")).encode()
+    rank queued for the GIL): the median of ``repeats`` times ``json.loads`` + ``Manifest.from_summary``
+    (the outcome carries the manifest's summary, not its file list)."""
+    summary = Manifest.from_bytes(manifest, path="manifest").summary()
+    raw = json.dumps({"status": "committed", "summary": summary}, separators=(",", ":")).encode()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         doc = json.loads(raw)
-        Manifest.from_bytes(doc["manifest"].encode(), path="outcome")
+        Manifest.from_summary(doc["summary"])
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
