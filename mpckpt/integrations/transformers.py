@@ -1,0 +1,416 @@
+"""Hugging Face Trainer: ``MpckptCallback`` saves through mpckpt; ``resume_path`` resumes from it.
+
+This module owns the mapping between the Trainer's checkpoints (``checkpoint-N`` folders of
+``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+``trainer_state.json``) and mpckpt steps, and nothing else; it imports transformers here and
+only here (``require``).
+
+``Trainer(..., callbacks=[MpckptCallback(root, **checkpointer_options)])``:
+
+* **It takes the Trainer's saves over.** The Trainer decides *when* to save as always
+  (``save_strategy``, ``save_steps``, the last step, ``save_strategy="best"``); the callback
+  sees the decision in ``control.should_save`` (set by ``DefaultFlowCallback`` just before
+  our ``on_step_end`` / ``on_epoch_end``), clears it, so the Trainer never writes its own
+  folder, and makes one ASYNC ``Checkpointer.save(global_step, state)`` instead: the Trainer
+  waits for the copy into shared memory only; the uploader processes write the files.
+* **It saves what the Trainer would have saved, where the Trainer would have saved it.** The
+  Trainer saves after that step's logging and evaluation (evaluation draws from the global
+  random generator: every ``DataLoader`` iterator does). The callback takes the snapshot at the
+  first event after that point, before anything changes the weights, the optimizer or the
+  generators: the next ``on_step_begin`` (before the forward pass), the ``on_epoch_end`` or
+  ``on_epoch_begin`` that follows, or ``on_train_end``. The state: the model (``model``),
+  the optimizer (``optimizer``), the LR scheduler (``scheduler``), ``mpckpt.RNGState()``
+  (``rng``: torch CPU and CUDA, Python ``random``, NumPy) and the ``TrainerState`` as JSON
+  (``trainer_state``, with this save's ``TrainerControl`` and ``ExportableState`` callbacks'
+  states, as the Trainer records them). ``save_only_model=True`` saves the model and the
+  trainer state only, as the Trainer does.
+* **Best model.** The Trainer records ``state.best_metric`` / ``best_global_step`` after the
+  evaluation, before the snapshot. Only with ``save_strategy="best"`` does the callback record
+  them itself in ``on_evaluate`` (the Trainer's strict comparison), so that the Trainer's own check
+  finds nothing new and does not save: that is how that save is taken over (put the callback
+  after ``EarlyStoppingCallback`` there: callbacks after it see the new best already).
+  ``load_best_model_at_end``: at ``on_train_end`` the model gets the weights of the best
+  committed checkpoint (the Trainer would load its folder just before).
+* **Retention.** ``save_total_limit=N`` is ``KeepLast(N)``, joined with ``KeepBest(1,
+  "eval_<metric>")`` under ``load_best_model_at_end`` (the Trainer's rotation keeps the best
+  too); mpckpt never deletes the newest. ``keep=`` / ``keep_last=`` given to the callback win.
+  Every save's metrics are the evaluation metrics of its step and ``epoch``.
+* ``on_train_end`` waits for every commit and closes the Checkpointer: when ``train()``
+  returns, the last checkpoint is committed (a failure is raised there).
+
+``resume_path(root)`` gives what ``trainer.train(resume_from_checkpoint=...)`` takes: a local
+folder that it materializes, once, from the newest committed checkpoint (or ``step``), in the
+Trainer's own layout, so the Trainer's own resume (model, optimizer, scheduler, RNG at the
+right moment of the epoch, the data skipped) runs unchanged and is as exact as with its own
+folders. ``None`` when the root has no checkpoint yet, so the same line starts a fresh run.
+
+Limits: one process saves (``args.should_save``, rank 0; under DDP only rank 0's generators
+are saved and ``rng_state_<rank>.pth`` is not written); DeepSpeed and FSDP keep their own
+checkpoint formats and are refused; the AMP grad scaler and ``total_flos`` counted since the
+last log are not in the state (callbacks do not see them); callbacks' ``on_save`` is not called
+(the Trainer calls it after its own save only), and ``push_to_hub`` of checkpoints does not
+happen. The states of ``ExportableState`` callbacks are read from the Trainer's callback
+handler, found on the call stack (callbacks are not handed it); where it is not found, only
+``TrainerControl``'s state is refreshed. After the first optimizer step the callback makes the
+shared memory of the saves once (``Checkpointer.prepare``), so every save is a copy only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+import torch
+
+import mpckpt
+from mpckpt.config import UploadMode
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, StateError
+from mpckpt.integrations import require
+
+_transformers = require("transformers", "transformers")
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+
+log = logging.getLogger("mpckpt")
+
+__all__ = ["MpckptCallback", "resume_path"]
+
+FORMAT = "mpckpt-transformers-1"  # the ``format`` value of every state this module saves
+_SUMMARY_KEY = "train_runtime"  # in the log entry the Trainer appends when training ends
+
+
+class MpckptCallback(TrainerCallback):  # type: ignore[misc]
+    """Save the Trainer's checkpoints through mpckpt (see the module docstring).
+
+    ``root`` is any root a ``Checkpointer`` takes (a path, ``s3://``, ``az://`` ...);
+    ``options`` go to ``mpckpt.Checkpointer`` (``memory_budget``, ``workers``, ``overlap``,
+    ``keep``, ``keep_last``, ``storage_options`` ...). ``mode`` is the upload mode of each save
+    (``ASYNC`` by default: the Trainer waits for the copy only).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, mode: UploadMode | str = UploadMode.ASYNC,
+                 **options: Any) -> None:
+        if "read_only" in options:
+            raise ConfigError("MpckptCallback saves; read_only= is not one of its options")
+        self.root = root
+        self.mode = mode
+        self.options = dict(options)
+        self.checkpointer: mpckpt.Checkpointer | None = None
+        self.futures: list[mpckpt.SaveFuture] = []  # every save of this process, in order
+        self._pending: int | None = None  # len(log_history) when a save was claimed, until its snapshot
+        self._eval_metrics: dict[int, dict[str, float]] = {}
+        self._last_saved: int | None = None
+        self._training = False
+        self._prepared = False
+
+    # -- life ------------------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        _check_supported(args)
+        self._training = True
+        self._pending = None
+        self._prepared = False
+        if args.should_save and self.checkpointer is None:
+            options = dict(self.options)
+            if "keep" not in options and "keep_last" not in options:
+                keep = _retention(args)
+                if keep is not None:
+                    options["keep"] = keep
+            if args.world_size > 1:
+                options.setdefault("process_group", False)  # rank 0 saves alone, as the Trainer does
+            self.checkpointer = mpckpt.Checkpointer(self.root, **options)
+            self._last_saved = self.checkpointer.latest_step
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        try:
+            self._flush(args, state, control, kwargs)
+            if args.load_best_model_at_end and self.checkpointer is not None:
+                self.checkpointer.wait()
+                self._load_best(state, kwargs.get("model"))
+        finally:
+            self._training = False
+            self.close()
+
+    def wait(self) -> None:
+        """Wait until every save so far is committed; raise what failed."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Wait for every save, stop the uploaders; ``on_train_end`` does this (also after a crash:
+        call it, or let the Checkpointer's finalizer commit what is pending at exit)."""
+        checkpointer, self.checkpointer = self.checkpointer, None
+        if checkpointer is not None:
+            checkpointer.close()
+
+    # -- when to save ----------------------------------------------------------------------------
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._flush(args, state, control, kwargs)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if not self._prepared and self.checkpointer is not None and args.save_strategy != "no":
+            # after the first optimizer step the optimizer has its state: make the shared memory of
+            # the saves now, once, so that every save is a copy only (mpckpt's prepare())
+            self._prepared = True
+            self.checkpointer.prepare(self._state(args, state, control, kwargs, len(state.log_history)))
+        self._claim(state, control)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._flush(args, state, control, kwargs)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._flush(args, state, control, kwargs)  # a save claimed at the epoch's last step
+        self._claim(state, control)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        if not self._training or state.global_step == 0:  # eval_on_start: the Trainer records no best either
+            return
+        self._eval_metrics[state.global_step] = {
+            str(k): float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if args.save_strategy == "best" and _record_best(args, state, metrics):
+            control.should_save = True
+        self._claim(state, control)
+
+    def _claim(self, state: TrainerState, control: TrainerControl) -> None:
+        """The Trainer decided to save at this step: the snapshot is ours (taken at the next event)."""
+        if not control.should_save or not self._training:
+            return
+        control.should_save = False  # the Trainer's own, synchronous save does not happen
+        if self._pending is None:
+            self._pending = len(state.log_history)
+
+    def _flush(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               kwargs: Mapping[str, Any]) -> None:
+        """Take the claimed snapshot now: nothing changed since the Trainer's save point."""
+        if self._pending is None:
+            return
+        claimed_at, self._pending = self._pending, None
+        step = int(state.global_step)
+        if self.checkpointer is None or self._last_saved is not None and step <= self._last_saved:
+            return  # another process saves; or this step is saved already (a step save, then an epoch save)
+        snapshot = self._state(args, state, control, kwargs, claimed_at)
+        metrics = {"epoch": float(state.epoch or 0.0), **self._eval_metrics.get(step, {})}
+        self._eval_metrics = {s: m for s, m in self._eval_metrics.items() if s > step}
+        future = self.checkpointer.save(step, snapshot, metrics=metrics, mode=self.mode, force=True)
+        if future is not None:
+            self.futures.append(future)
+        self._last_saved = step
+
+    @staticmethod
+    def _state(args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any],
+               claimed_at: int) -> dict[str, Any]:
+        """What one save holds: the objects (mpckpt calls their ``state_dict()``) and the trainer state."""
+        model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        if model is None:
+            raise StateError("MpckptCallback: the Trainer passed no model to the callback; nothing to save")
+        snapshot: dict[str, Any] = {"format": FORMAT, "model": model,
+                                    "trainer_state": _trainer_state_json(state, control, claimed_at)}
+        if not args.save_only_model:
+            if optimizer is None or scheduler is None:
+                raise StateError("MpckptCallback: the Trainer passed no optimizer or LR scheduler to the callback")
+            snapshot.update(optimizer=optimizer, scheduler=scheduler, rng=mpckpt.RNGState())
+        return snapshot
+
+    def _load_best(self, state: TrainerState, model: Any) -> None:
+        """``load_best_model_at_end``: the best committed checkpoint's weights into ``model``."""
+        assert self.checkpointer is not None
+        best = state.best_global_step
+        if not best or model is None:
+            return
+        if best not in self.checkpointer.steps():
+            log.warning("mpckpt: the best step %s was evaluated but not saved; the model stays the last one", best)
+            return
+        weights = self.checkpointer.load(best)["model"]
+        model.load_state_dict(weights)
+        state.best_model_checkpoint = self.checkpointer.checkpoint(best).path
+        log.info("mpckpt: loaded the best model (step %s, %s=%s)", best, "best_metric", state.best_metric)
+
+
+def _check_supported(args: TrainingArguments) -> None:
+    for flag, what in (("deepspeed", "DeepSpeed"), ("fsdp", "FSDP")):
+        if getattr(args, flag, None):
+            raise ConfigError(f"MpckptCallback does not save {what} checkpoints (they keep a format of their own); "
+                              "let the Trainer save them, or train without it")
+
+
+def _retention(args: TrainingArguments) -> mpckpt.RetentionPolicy | None:
+    """``save_total_limit`` (and the best checkpoint under ``load_best_model_at_end``) as mpckpt retention."""
+    if not args.save_total_limit:
+        return None
+    keep: mpckpt.RetentionPolicy = mpckpt.KeepLast(int(args.save_total_limit))
+    if args.load_best_model_at_end and args.metric_for_best_model:
+        keep = keep | mpckpt.KeepBest(1, _metric_name(args), "max" if args.greater_is_better else "min")
+    return keep
+
+
+def _metric_name(args: TrainingArguments) -> str:
+    name = str(args.metric_for_best_model)
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def _record_best(args: TrainingArguments, state: TrainerState, metrics: Mapping[str, Any]) -> bool:
+    """``save_strategy="best"``: update ``state.best_metric`` / ``best_global_step`` as the Trainer
+    would, and say whether it improved.
+
+    The Trainer compares strictly right after every callback's ``on_evaluate`` and saves when the
+    metric improved; done here first, its own check finds no improvement and saves nothing. (With
+    the other strategies the Trainer records the best itself, before the snapshot is taken.)
+    Callbacks after this one in ``callbacks=`` see the new best already in their ``on_evaluate``.
+    """
+    if not args.metric_for_best_model:
+        return False
+    name = _metric_name(args)
+    if name not in metrics:
+        return False  # the Trainer raises a KeyError naming the metric right after
+    value = float(metrics[name])
+    if state.best_metric is None:
+        state.best_metric = -math.inf if args.greater_is_better else math.inf
+    better = value > state.best_metric if args.greater_is_better else value < state.best_metric
+    if better:
+        state.best_metric = value
+        if args.save_strategy in ("steps", "epoch", "best"):
+            state.best_global_step = state.global_step
+    return better
+
+
+def _trainer_state_json(state: TrainerState, control: TrainerControl, claimed_at: int) -> str:
+    """The ``trainer_state.json`` the Trainer would write at its save point, as text."""
+    data = dataclasses.asdict(state)
+    # the summary entry train() appends after the last save point is not part of the checkpoint
+    data["log_history"] = [entry for i, entry in enumerate(data["log_history"])
+                           if i < claimed_at or _SUMMARY_KEY not in entry]
+    data["best_model_checkpoint"] = None  # a folder path to the Trainer; the best step is best_global_step
+    callbacks = dict(data.get("stateful_callbacks") or {})
+    for cb in [*_exportable_callbacks(), control]:
+        if hasattr(cb, "state") and callable(cb.state):
+            callbacks[type(cb).__name__] = cb.state()
+    if isinstance(callbacks.get("TrainerControl"), dict) and isinstance(callbacks["TrainerControl"].get("args"), dict):
+        callbacks["TrainerControl"]["args"]["should_save"] = True  # as at the Trainer's save (we cleared the flag)
+    data["stateful_callbacks"] = callbacks
+    return json.dumps(data, sort_keys=True)
+
+
+def _exportable_callbacks() -> list[Any]:
+    """The Trainer's callbacks with a state of their own (``ExportableState``: early stopping ...).
+
+    Callbacks are not given the handler; its ``call_event`` frame holds it (three frames up:
+    ``_flush`` <- our event method <- ``call_event``). Nothing found: only ``TrainerControl``.
+    """
+    exportable = getattr(_transformers.trainer_callback, "ExportableState", None)
+    if exportable is None:
+        return []
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            break
+        handler = frame.f_locals.get("self")
+        callbacks = getattr(handler, "callbacks", None)
+        if isinstance(callbacks, list) and type(handler).__name__ == "CallbackHandler":
+            return [cb for cb in callbacks if isinstance(cb, exportable) and not isinstance(cb, TrainerControl)]
+        frame = frame.f_back
+    return []
+
+
+# -- resuming --------------------------------------------------------------------------------------
+_MADE: list[str] = []
+
+
+def _remove_made() -> None:
+    for path in _MADE:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+atexit.register(_remove_made)
+
+
+def resume_path(root: str | os.PathLike[str], step: int | None = None, *, directory: str | os.PathLike[str] | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """What ``trainer.train(resume_from_checkpoint=...)`` takes: a folder in the Trainer's layout.
+
+    Materialized from the newest committed checkpoint under ``root`` (or ``step``) into
+    ``directory/checkpoint-<step>`` (default: a temporary folder removed at exit).
+    ``None`` when ``root`` has no checkpoint yet, so ``resume_from_checkpoint=resume_path(root)``
+    starts a fresh run the first time and resumes afterwards.
+    """
+    started = time.perf_counter()
+    try:
+        state = mpckpt.load(root, step, storage_options=storage_options)
+    except CheckpointNotFoundError:
+        if step is not None:
+            raise
+        return None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise StateError(f"the checkpoint of {root} was not saved by MpckptCallback (no format {FORMAT!r}); "
+                         "load it with mpckpt.load or Checkpointer.restore instead")
+    trainer_state = json.loads(state["trainer_state"])
+    saved_step = int(trainer_state["global_step"])
+    if directory is None:
+        parent = tempfile.mkdtemp(prefix="mpckpt-hf-resume-")
+        _MADE.append(parent)
+    else:
+        parent = os.fspath(directory)
+    folder = os.path.join(parent, f"checkpoint-{saved_step}")
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    _write_model(state["model"], os.path.join(folder, "model.safetensors"))
+    if "optimizer" in state:
+        torch.save(state["optimizer"], os.path.join(folder, "optimizer.pt"))
+        torch.save(state["scheduler"], os.path.join(folder, "scheduler.pt"))
+    if "rng" in state:
+        torch.save(_hf_rng(state["rng"]), os.path.join(folder, "rng_state.pth"))
+    with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+        json.dump(trainer_state, f, indent=2, sort_keys=True)
+    log.info("mpckpt: step %s of %s materialized for the Trainer in %s (%.0f ms)", saved_step, root, folder,
+             (time.perf_counter() - started) * 1e3)
+    return folder
+
+
+def _write_model(weights: Mapping[str, torch.Tensor], path: str) -> None:
+    """``model.safetensors`` as the Trainer loads it; tied weights written under each name."""
+    safetensors_torch = require("safetensors.torch", "transformers")
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        tensors[name] = tensor.clone() if key in seen or not tensor.is_contiguous() else tensor
+        seen.add(key)
+    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _hf_rng(rng: Mapping[str, Any]) -> dict[str, Any]:
+    """``RNGState``'s parts as the Trainer's ``rng_state.pth`` holds them."""
+    python = rng["python"]
+    out: dict[str, Any] = {
+        "python": (int(python["version"]), tuple(int(x) for x in python["internal"].tolist()), python["gauss_next"]),
+        "cpu": rng["torch"],
+    }
+    if "numpy" in rng:
+        np = require("numpy", "transformers")
+        n = rng["numpy"]
+        out["numpy"] = (n["name"], np.asarray(n["keys"].tolist(), dtype=np.uint32), int(n["pos"]),
+                        int(n["has_gauss"]), float(n["cached_gaussian"]))
+    if "cuda" in rng:
+        cuda = list(rng["cuda"])
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        out["cuda"] = cuda if distributed else cuda[torch.cuda.current_device() if torch.cuda.is_available() else 0]
+    return out
