@@ -1,0 +1,271 @@
+"""MpckptCheckpointIO under a real Lightning Trainer (CPU, a tiny model, a few steps).
+
+Top-k deletion and ``save_last``, resuming from ``"last"`` exactly as an uninterrupted run,
+``validate`` / ``test`` with ``ckpt_path``, a remove that races a pending save, files whose
+save never committed, failures surfacing, and DDP with two CPU processes. Run as a script
+(``python tests/integration/test_lightning.py ddp DIR``) it is the DDP job the last test starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning") if __name__ != "__main__" else __import__("lightning")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mpckpt  # noqa: E402
+from mpckpt.integrations.lightning import MpckptCheckpointIO, read_pointer  # noqa: E402
+
+OPTIONS = {"workers": 1, "memory_budget": "64MiB"}
+
+
+class Net(L.LightningModule):
+    def __init__(self, lr: float = 0.01, extra: object = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> object:
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)]
+
+    def _loader(self, seed: int) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 2, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(0)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(0)  # the training data: val_loss falls every epoch, so every epoch saves
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(2)
+
+
+def trainer(dirpath: Path, epochs: int, *, io: object = None, top_k: int = 2, **kw: object) -> tuple[object, object]:
+    mc = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=top_k, save_last=True)
+    plugins = [io if io is not None else MpckptCheckpointIO(**OPTIONS)]
+    t = L.Trainer(max_epochs=epochs, plugins=plugins, callbacks=[mc], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, accelerator="cpu", devices=1, **kw)
+    return t, mc
+
+
+def pointed_steps(dirpath: Path) -> dict[str, list[int]]:
+    out = {}
+    for name in sorted(os.listdir(dirpath)):
+        pointer = read_pointer(dirpath / name)
+        if pointer is not None:
+            out[name] = [c["step"] for c in pointer["candidates"]]
+    return out
+
+
+def committed(dirpath: Path) -> list[int]:
+    return mpckpt.Checkpointer(dirpath / ".mpckpt", read_only=True).steps()
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_top_k_and_last_keep_exactly_what_lightning_keeps(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    t, mc = trainer(tmp_path, 5)
+    model = Net()
+    t.fit(model)
+    files = pointed_steps(tmp_path)
+    # top 2 by val_loss plus last.ckpt; every file points at one committed step, nothing else is left
+    assert len(files) == 3 and "last.ckpt" in files
+    assert Path(mc.best_model_path).name in files and Path(mc.last_model_path).name == "last.ckpt"
+    assert all(len(steps) == 1 for steps in files.values())
+    assert sorted(s for steps in files.values() for s in steps) == committed(tmp_path)
+    assert files["last.ckpt"] == [max(committed(tmp_path))]
+    last = mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])
+    assert last["global_step"] == 20 and last["epoch"] == 4
+    for k, v in weights(model).items():
+        torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
+    ranked = sorted(mc.best_k_models.items(), key=lambda kv: float(kv[1]))
+    assert mc.best_model_path == ranked[0][0]
+    assert t.strategy.checkpoint_io._open == {}  # teardown closed the Checkpointer
+
+
+def test_resume_from_last_and_best_continues_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    straight = Net()
+    trainer(tmp_path / "a", 4)[0].fit(straight)
+
+    torch.manual_seed(0)
+    first = Net()
+    trainer(tmp_path / "b", 2)[0].fit(first)
+    torch.manual_seed(123)  # a new process would start from other weights: the checkpoint must win
+    resumed = Net()
+    t, mc = trainer(tmp_path / "b", 4)
+    t.fit(resumed, ckpt_path="last")
+    assert t.global_step == 16
+    for k, v in weights(straight).items():
+        torch.testing.assert_close(weights(resumed)[k], v, rtol=0, atol=0)
+    assert t.lr_scheduler_configs[0].scheduler.get_last_lr() == pytest.approx([0.01 * 0.7 ** 4])
+
+    # a plain path (best_model_path) too; the file resumed from is never deleted by top-k
+    t2, _ = trainer(tmp_path / "b", 5)
+    t2.fit(Net(), ckpt_path=mc.best_model_path)
+    assert t2.global_step == 20
+    assert Path(mc.best_model_path).exists()
+
+
+def test_save_last_link_saves_once_and_resumes(tmp_path: Path) -> None:
+    mc = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last="link")
+    t = L.Trainer(max_epochs=3, plugins=[MpckptCheckpointIO(**OPTIONS)], callbacks=[mc], logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    t.fit(Net())
+    assert os.readlink(tmp_path / "last.ckpt") == Path(mc.best_model_path).name
+    assert len(committed(tmp_path)) == 2  # one step per save: the link costs nothing
+    t2, mc2 = trainer(tmp_path, 4)
+    t2.fit(Net(), ckpt_path="last")
+    assert t2.global_step == 16
+
+
+def test_validate_and_test_with_ckpt_path(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    t, mc = trainer(tmp_path, 3)
+    t.fit(Net())
+    best, last = mc.best_model_path, mc.last_model_path
+    state = mpckpt.load(tmp_path / ".mpckpt", step=read_pointer(best)["candidates"][0]["step"])
+    by_hand = Net()
+    by_hand.load_state_dict(state["state_dict"])
+    with torch.no_grad():
+        expected = float(torch.stack([by_hand._loss(b) for b in by_hand.val_dataloader()]).mean())
+    got = t.validate(Net(), ckpt_path="best", verbose=False)[0]["val_loss"]
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert got == pytest.approx(float(mc.best_model_score), rel=1e-6)
+    tested = t.test(Net(), ckpt_path=last, verbose=False)[0]["test_loss"]
+    assert tested > 0
+
+
+def test_remove_and_overwrite_never_race_a_pending_save(tmp_path: Path) -> None:
+    io = MpckptCheckpointIO(**OPTIONS)
+    big = {"state_dict": {"w": torch.randn(4 << 20)}, "global_step": 0, "epoch": 0}
+    a, b, last = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint(big, a)
+    io.save_checkpoint({**big, "global_step": 1}, last)
+    io.remove_checkpoint(a)                 # most likely still uploading: deleted after its commit
+    assert not a.exists()
+    io.save_checkpoint({**big, "global_step": 2}, last)   # overwrite: step 1 goes once step 2 commits
+    assert [c["step"] for c in read_pointer(last)["candidates"]] == [2, 1]
+    io.save_checkpoint({**big, "global_step": 3}, b)
+    loaded = io.load_checkpoint(b)          # waits for its commit
+    assert loaded["global_step"] == 3 and torch.equal(loaded["state_dict"]["w"], big["state_dict"]["w"])
+    io.teardown()
+    assert committed(tmp_path) == [2, 3]
+    assert [c["step"] for c in read_pointer(last)["candidates"]] == [2]
+    assert io.load_checkpoint(last)["global_step"] == 2
+    io.remove_checkpoint(b)                 # committed: deleted at once (a new Checkpointer opens for it)
+    io.teardown()
+    assert committed(tmp_path) == [2] and sorted(os.listdir(tmp_path)) == [".mpckpt", "last.ckpt"]
+
+
+def test_a_save_that_never_committed_falls_back_or_is_not_found(tmp_path: Path) -> None:
+    io = MpckptCheckpointIO(**OPTIONS)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, tmp_path / "last.ckpt")
+    io.teardown()
+    pointer = read_pointer(tmp_path / "last.ckpt")
+    # what a crash between save_checkpoint and the commit leaves: a newer candidate that never committed
+    pointer["candidates"].insert(0, {"root": ".mpckpt", "step": 1, "save_id": 7})
+    (tmp_path / "last.ckpt").write_text(json.dumps(pointer))
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 5
+    # a step number saved again by a later run is not the one the file meant
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 9}, tmp_path / "other.ckpt")
+    io.teardown()
+    (tmp_path / "stale.ckpt").write_text(json.dumps({**pointer, "candidates": pointer["candidates"][:1]}))
+    with pytest.raises(FileNotFoundError, match="no committed mpckpt checkpoint"):
+        io.load_checkpoint(tmp_path / "stale.ckpt")
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    torch.save({"global_step": 1}, tmp_path / "plain.ckpt")   # a torch.save checkpoint still loads
+    assert io.load_checkpoint(tmp_path / "plain.ckpt") == {"global_step": 1}
+
+
+class Opaque:
+    pass
+
+
+def test_failures_surface(tmp_path: Path) -> None:
+    # refused at save: a hyperparameter mpckpt cannot store without pickle, named by its key
+    t, _ = trainer(tmp_path / "a", 1)
+    with pytest.raises(mpckpt.errors.StateError, match="hyper_parameters.extra"):
+        t.fit(Net(extra=Opaque()))
+    # in the background: the root is replaced by a file after the first commit
+    io = MpckptCheckpointIO(**OPTIONS)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "x.ckpt")
+    io.load_checkpoint(tmp_path / "x.ckpt")     # waits for the commit; the Checkpointer stays open
+    root = tmp_path / ".mpckpt"
+    shutil.rmtree(root)
+    root.write_text("not a folder")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "y.ckpt")
+    with pytest.raises(mpckpt.errors.UploadError, match="y.ckpt|step 1"):
+        io.teardown()
+    assert not (tmp_path / "y.ckpt").exists()   # the pointer of a save that failed is gone
+    assert (tmp_path / "x.ckpt").exists()
+    with pytest.raises(ValueError, match="keep"):
+        MpckptCheckpointIO(keep_last=2)
+
+
+def _ddp_job(dirpath: str) -> None:
+    """Two CPU processes (Lightning relaunches this script for rank 1): fit, then resume from last."""
+    torch.manual_seed(0)
+    mc = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1, save_last=True)
+    t = L.Trainer(max_epochs=2, strategy="ddp", accelerator="cpu", devices=2, plugins=[MpckptCheckpointIO(**OPTIONS)],
+                  callbacks=[mc], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    t.fit(Net())
+    t2 = L.Trainer(max_epochs=3, strategy="ddp", accelerator="cpu", devices=2,
+                   plugins=[MpckptCheckpointIO(**OPTIONS)], logger=False, enable_progress_bar=False,
+                   enable_model_summary=False,
+                   callbacks=[ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1, save_last=True)])
+    t2.fit(Net(), ckpt_path=os.path.join(dirpath, "last.ckpt"))
+    if t2.global_rank == 0:
+        with open(os.path.join(dirpath, "done.json"), "w") as f:
+            json.dump({"global_step": t2.global_step, "best": t2.checkpoint_callback.best_model_path}, f)
+
+
+def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "ddp", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert run.returncode == 0, run.stderr[-4000:]
+    done = json.loads((tmp_path / "done.json").read_text())
+    assert done["global_step"] == 6  # 2 ranks x 32 samples / 8 per batch: 2 steps per epoch, 3 epochs
+    files = pointed_steps(tmp_path)
+    assert set(files) == {"last.ckpt", Path(done["best"]).name}
+    assert sorted(s for steps in files.values() for s in steps) == committed(tmp_path)
+    assert mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])["global_step"] == 6
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "ddp":
+        _ddp_job(sys.argv[2])
