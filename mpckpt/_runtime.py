@@ -62,7 +62,7 @@ from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import Recovered, recover, scan
 from mpckpt.config import Config
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
-from mpckpt.format.manifest import Manifest
+from mpckpt.format.manifest import MANIFEST_NAME, Manifest
 from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
@@ -290,6 +290,20 @@ class Runtime:
             self.backend.delete(name)
         for path in shared:  # INVARIANT: only once no folder that lists them is left
             self.backend.delete_file(path)
+
+    def forget_deleted(self) -> list[int]:
+        """Stop listing committed checkpoints whose manifest is gone from storage (deleted by
+        someone else: a framework's retention, ``mpckpt rm``); the newest is always kept."""
+        latest = self.ledger.latest_step()
+        gone = [s for s in sorted(self.ledger.committed())
+                if s != latest and not self.backend.exists(f"{checkpoint_name(s)}/{MANIFEST_NAME}")]
+        if gone:
+            assert self.committer is not None
+            with self.committer.retention_lock:
+                for step in gone:
+                    self.saver.frozen.forget_folder(checkpoint_name(step))
+                self.ledger.forget(gone)
+        return gone
 
     def _opened(self, record: Pending) -> None:
         self._stats.saves.append(record.stats)

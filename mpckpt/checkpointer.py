@@ -340,6 +340,12 @@ class Checkpointer:
                               "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
         self._writer().delete([self._check_int(s) for s in steps], damaged=damaged)
 
+    def forget_deleted(self) -> list[int]:
+        """Stop listing the committed checkpoints that someone else deleted (a framework's own
+        retention, such as Ray Train's ``num_to_keep``, or ``mpckpt rm``): each listed step whose
+        manifest is gone from storage, except the newest. Returns the steps no longer listed."""
+        return self._writer().forget_deleted()
+
     def _check_usable(self) -> None:
         if self._closed:
             raise MpckptError("this Checkpointer is closed; open a new one")
