@@ -376,7 +376,9 @@ class Checkpointer:
     def prepare(self, state: Any) -> int:
         """Create and touch shared memory for ``state`` now (as its first save would need).
 
-        ``restore`` calls this for you. Returns the bytes reserved.
+        ``restore`` calls this for you. Returns the bytes reserved. In a multi-rank job it
+        reserves what this rank writes (its shards, its share of the replicated tensors), which
+        the first call for a state shape agrees with the other ranks: every rank calls it.
         """
         rt = self._writer()
         need = self._slab_bytes_for(state)
@@ -390,7 +392,10 @@ class Checkpointer:
         rt = self._writer()
         flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=rt.saver.memo,
                        distributed=rt.group is not None)
-        return min(int(estimate_state_bytes(state, flat) * 1.02) + (4 << 20), self.config.memory_budget_bytes)
+        need = estimate_state_bytes(state, flat)
+        if rt.saver.planner is not None:  # a rank of a job writes only its part (the plan save uses too)
+            need -= sum(flat.leaves[i].nbytes for i in rt.saver.planner.plan(flat).skip)
+        return min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
 
     def _warm_in_background(self, state: Any) -> None:
         """The first ``save`` a trigger says is not due: make the first slab in the background.
