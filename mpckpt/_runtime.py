@@ -59,7 +59,7 @@ from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
-from mpckpt.catalog import Recovered, recover, scan
+from mpckpt.catalog import Recovered, read_manifest, recover, scan
 from mpckpt.config import Config
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
 from mpckpt.format.manifest import MANIFEST_NAME, Manifest
@@ -192,8 +192,6 @@ class Runtime:
         ranks other than 0 learn at a commit) is read from storage, once."""
         if manifest.complete:
             return manifest
-        from mpckpt.catalog import read_manifest
-
         full = read_manifest(self.backend, checkpoint_name(manifest.step))
         if full.seq != manifest.seq:
             raise CheckpointNotFoundError(f"the checkpoint of step {manifest.step} in {self.backend.url} is not the "

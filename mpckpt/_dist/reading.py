@@ -36,11 +36,12 @@ import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._dist.skeleton import RankSkeleton, read_rank_skeletons
-from mpckpt._stage.snapshot import ShardInfo, build_tensors, unflatten
+from mpckpt._stage.snapshot import ShardInfo, _path, build_tensors, unflatten
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader, header_length, parse_header
 from mpckpt.per_rank import NOT_RESTORED, PerRank
+from mpckpt.restore import _memory
 from mpckpt.storage import Backend
 
 _WINDOW = 64 << 20  # most bytes one request reads (and one thread holds)
@@ -325,12 +326,6 @@ def _row_major(shape: tuple[int, ...]) -> list[int]:
     return strides[::-1]
 
 
-def _memory(t: torch.Tensor) -> memoryview:
-    from mpckpt.restore import _memory as memory
-
-    return memory(t)
-
-
 def _leaf_dtype(name: str, spec: dict[str, Any]) -> torch.dtype:
     try:
         return _dtypes.dtype_from_name(spec["dtype"])
@@ -494,7 +489,7 @@ def shard_like_live(loaded: Any, targets: dict[str, ShardInfo], path: str = "") 
         box = tuple(slice(o, o + n) for o, n in zip(target.offset, _local_shape(target), strict=True))
         return _as_dtensor(loaded[box].contiguous(), target)
     if isinstance(loaded, dict):
-        return {k: shard_like_live(v, targets, f"{path}.{k}" if path else str(k)) for k, v in loaded.items()}
+        return {k: shard_like_live(v, targets, _path(path, k)) for k, v in loaded.items()}
     if isinstance(loaded, list):
-        return [shard_like_live(v, targets, f"{path}.{i}" if path else str(i)) for i, v in enumerate(loaded)]
+        return [shard_like_live(v, targets, _path(path, i)) for i, v in enumerate(loaded)]
     return loaded

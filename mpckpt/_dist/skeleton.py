@@ -29,6 +29,7 @@ from mpckpt._dtypes import dtype_name
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import rank_prefix, rank_skeleton_name
+from mpckpt.restore import read_verified
 from mpckpt.storage import Backend
 
 RANK_SKELETON_VERSION = 1
@@ -78,8 +79,6 @@ class RankSkeleton:
 
 def read_rank_skeletons(backend: Backend, name: str, manifest: Manifest, *, threads: int = 8) -> list[RankSkeleton]:
     """Every rank's skeleton of multi-rank checkpoint ``name``, verified, in rank order."""
-    from mpckpt.restore import read_verified
-
     world = manifest.world_size
     names = [rank_skeleton_name(r) for r in range(world)]
     for rel in names:
