@@ -1,14 +1,24 @@
-"""``LoopState`` through a real Checkpointer: restore, ``mpckpt.load``, an overlapped save, strictness, ``PerRank``."""
+"""``LoopState`` through a real Checkpointer: restore, ``mpckpt.load``, an overlapped save, strictness, ``PerRank``,
+and a two-rank job (torchrun, gloo): a holder the same on every rank is stored once, one under ``PerRank``
+goes back to each rank."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import mpckpt
 from mpckpt.errors import StateError
+from tests.servers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def carried(seed: int) -> mpckpt.LoopState:
@@ -100,3 +110,21 @@ def test_per_rank_loop_state_round_trips_in_one_process(tmp_path):
     assert shared.lr == 2.5 and own.total_loss == 7.0 and torch.equal(own.hidden, torch.arange(3.0))
     plain = mpckpt.load(tmp_path / "run")
     assert plain["loop"] == {"lr": 2.5} and plain["rank_loop"][0]["total_loss"] == 7.0  # one value per rank
+
+
+def test_in_a_multi_rank_job_loop_state_is_replicated_and_per_rank_loop_state_goes_back_to_its_rank(tmp_path):
+    root, out = tmp_path / "run", tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+               str(Path(__file__).with_name("loop_dist_worker.py")), str(root), str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(command, cwd=REPO, env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads((out / f"r{rank}.json").read_text())
+        assert (got["restored"], got["lr"], got["epoch"], got["total_loss"]) == (0, 5.0, 2, 10.0 + rank)
+        assert got["hidden"] == [[[float(rank)] * 3] * 2, [[-float(rank)] * 3] * 2]
+    plain = mpckpt.load(root)  # one process: the replicated holder once, the per-rank one as a list in rank order
+    assert plain["loop"] == {"lr": 5.0, "best_val": 1.5, "epoch": 2}
+    assert [own["total_loss"] for own in plain["own"]] == [10.0, 11.0]
+    assert torch.equal(plain["own"][1]["hidden"][1], torch.full((2, 3), -1.0))
