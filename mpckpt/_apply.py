@@ -48,7 +48,10 @@ def apply_state(target: Any, loaded: Any, *, strict: bool = True, source: str = 
     where it should, and (``strict``) for keys that do not match.
     """
     keys = _Keys()
-    out = _apply(target, loaded, "", strict, keys)
+    try:
+        out = _apply(target, loaded, "", strict, keys)
+    except StateError as e:  # name the checkpoint: "state key 'model.fc.weight'" alone does not say which
+        raise StateError(f"restoring {source}: {e}", key=e.key) from e
     if strict and (keys.missing or keys.unexpected):
         parts = []
         if keys.missing:
@@ -142,14 +145,41 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
     if load is None:
         return loaded
     if isinstance(target, torch.nn.Module):
-        result = load(loaded, strict=False)  # torch lists the keys; the error is raised once, for all of them
-        keys.missing.extend(_path(path, k) for k in getattr(result, "missing_keys", ()))
-        keys.unexpected.extend(_path(path, k) for k in getattr(result, "unexpected_keys", ()))
-    elif _takes_strict(load):
-        load(loaded, strict=strict)
-    else:
-        load(loaded)
+        _check_shapes(target, loaded, path)
+    try:
+        if isinstance(target, torch.nn.Module):
+            result = load(loaded, strict=False)  # torch lists the keys; the error is raised once, for all of them
+            keys.missing.extend(_path(path, k) for k in getattr(result, "missing_keys", ()))
+            keys.unexpected.extend(_path(path, k) for k in getattr(result, "unexpected_keys", ()))
+        elif _takes_strict(load):
+            load(loaded, strict=strict)
+        else:
+            load(loaded)
+    except StateError as e:  # an object of ours (RNGState, LoopState ...) names its own key: give it the path
+        key = _path(path, e.key) if e.key else path
+        raise StateError(f"state key {where!r}: {e}", key=key) from e
+    except Exception as e:  # torch's own refusal (an optimizer's groups, a scheduler's keys) names no key path
+        raise StateError(f"state key {where!r}: {type(target).__name__}.load_state_dict refused the checkpoint's "
+                         f"values ({type(e).__name__}: {e}); was it saved from another model or optimizer?",
+                         key=path) from e
     return target
+
+
+def _check_shapes(module: torch.nn.Module, loaded: Any, path: str) -> None:
+    """A ``StateError`` naming every tensor whose shape differs (torch's own error names no checkpoint)."""
+    if not isinstance(loaded, dict):
+        return
+    live = module.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(live[k].shape)) for k, v in loaded.items()
+             if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) and v.shape != live[k].shape]
+    if not wrong:
+        return
+    shown = "; ".join(f"{_path(path, k)!r}: {a} in the checkpoint, {b} in memory" for k, a, b in wrong[:_SHOWN])
+    more = f"; and {len(wrong) - _SHOWN} more" if len(wrong) > _SHOWN else ""
+    raise StateError(f"{len(wrong)} tensor{'s' if len(wrong) > 1 else ''} of {type(module).__name__} "
+                     f"{path or '<root>'!r} differ in shape: {shown}{more}. The checkpoint was saved from a model of "
+                     "another shape (width, layer type): build the same model, or restore into another root",
+                     key=_path(path, wrong[0][0]))
 
 
 def _sequence(target: list | tuple, loaded: list | tuple, path: str, strict: bool, keys: _Keys) -> Any:

@@ -30,6 +30,7 @@ import functools
 import gc
 import logging
 import os
+import secrets
 import threading
 import time
 import traceback
@@ -63,7 +64,7 @@ from mpckpt.catalog import Recovered, read_manifest, recover, scan
 from mpckpt.config import Config
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
 from mpckpt.format.manifest import MANIFEST_NAME, Manifest
-from mpckpt.format.names import checkpoint_name
+from mpckpt.format.names import aside_name, checkpoint_name
 from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
@@ -233,6 +234,31 @@ class Runtime:
 
     def latest_step(self) -> int | None:
         return self.ledger.latest_step()
+
+    def set_aside(self, steps: list[int], *, move: bool = True) -> list[str]:
+        """Move the damaged checkpoints of ``steps`` (newer than the one a restore went back to)
+        out of the way, whole, to ``damaged.step_<step>.<UTC time>``; return those names.
+
+        Nothing is deleted: what they hold stays for a look (and the shared files they list stay
+        with them), but they are no longer checkpoints, so the run saves those steps again. In a
+        job only rank 0 moves (``move``); every rank's ledger lets the steps go.
+        """
+        committed = self.ledger.committed()
+        self.ledger.set_aside(steps)  # first: refused while saves are pending
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+        moved = []
+        for step in sorted(steps, reverse=True):
+            name, aside = checkpoint_name(step), aside_name(step, stamp)
+            self.saver.frozen.forget_folder(name)
+            if step in committed:  # its shared files stay: the moved manifest lists them
+                self.saver.frozen.let_go([committed[step]])
+            self.damaged.pop(step, None)
+            if move:
+                self.backend.set_aside(name, aside)
+                log.warning("mpckpt: moved the damaged checkpoint of step %d to %s/%s (kept for a look; delete it "
+                            "when done); step %d will be saved again", step, self.backend.url, aside, step)
+            moved.append(aside)
+        return moved
 
     def discard_after(self, step: int) -> list[int]:
         """Delete the committed checkpoints newer than ``step``, now, so saving goes on from it."""

@@ -59,10 +59,11 @@ from mpckpt.errors import (
 from mpckpt.format.manifest import checkpoint_name
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.policies.triggers import Trigger
-from mpckpt.restore import load_checkpoint
+from mpckpt.restore import load_checkpoint, verify_checkpoint
 from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
+_VERIFY_OLDER = 3  # older checkpoints read to say which one is intact, when the newest does not verify
 
 
 class Checkpointer:
@@ -470,8 +471,24 @@ class Checkpointer:
             if self._writer().group is not None:
                 raise ConfigError("discard_newer=True is not available in a multi-rank job; delete the newer "
                                   "checkpoints with `mpckpt rm` before the job starts")
+        started = time.perf_counter()
         if isinstance(self._rt, Runtime) and self._rt.group is not None:
-            return self._restore_ranked(state, step=step, fallback=fallback, strict=strict)
+            restored = self._restore_ranked(state, step=step, fallback=fallback, strict=strict)
+        else:
+            restored = self._restore_one(state, step=step, fallback=fallback, strict=strict)
+        if restored is None:
+            log.info("mpckpt: no checkpoint in %s: starting fresh", self.url)
+        else:
+            log.info("mpckpt: restored step %d of %s from storage (%.1f s)", restored, self.url,
+                     time.perf_counter() - started)
+        if discard_newer and restored is not None:
+            self._writer().discard_after(restored)
+        if not self.read_only:
+            self.prepare(state)
+        return restored
+
+    def _restore_one(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
+        """``restore`` in a process of its own: the newest checkpoint that verifies, or ``step``."""
         committed = self._rt.committed()
         damaged = dict(self._rt.damaged)
         if step is not None:
@@ -485,34 +502,65 @@ class Checkpointer:
                 step_read, loaded = load_newest(self._rt.backend, allow_pickle=self.config.allow_pickle, kind="state")
             except CheckpointNotFoundError:
                 return None
-            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {step_read}")
+            except CorruptCheckpointError as e:
+                raise self._damaged_newest(e, sorted(committed, reverse=True)) from e
+            apply_state(state, loaded, strict=strict, source=f"step {step_read} of {self.url}")
             return step_read
         else:
             states = [s for s, m in committed.items() if m.kind == "state"]
             candidates = sorted({*states, *damaged}, reverse=True)
-        restored = None
+        skipped: list[int] = []
         for candidate in candidates:
             try:
                 if candidate in damaged:
                     raise damaged[candidate]
                 loaded = self.load(candidate)
             except CorruptCheckpointError as e:
-                if not fallback or step is not None:
+                if step is not None:
                     raise
-                log.warning("mpckpt: step %s does not verify, trying an older one: %s", candidate, e)
+                if not fallback:
+                    raise self._damaged_newest(e, [c for c in candidates if c < candidate]) from e
+                log.warning("mpckpt: step %s of %s does not verify, trying an older one: %s", candidate, self.url, e)
+                skipped.append(candidate)
                 continue
-            apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
-            restored = candidate
-            break
-        else:
-            if candidates and fallback:
-                raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
-        if discard_newer and restored is not None:
-            self._writer().discard_after(restored)
-        if not self.read_only:
-            self.prepare(state)
-        return restored
+            apply_state(state, loaded, strict=strict, source=f"step {candidate} of {self.url}")
+            if skipped and isinstance(self._rt, Runtime):  # the run goes on from here: those steps are saved again
+                self._rt.set_aside(skipped)
+            return candidate
+        if candidates and fallback:
+            raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies (steps {candidates[:20]}); "
+                                         "`mpckpt verify` says why for each")
+        return None
 
+    def _damaged_newest(self, e: CorruptCheckpointError, older: list[int]) -> CorruptCheckpointError:
+        """The error of a newest checkpoint that does not verify: what happened, and the ways on."""
+        intact = None
+        for candidate in older[:_VERIFY_OLDER]:  # a few reads, once, on a path that otherwise stops the job
+            try:
+                self._verify(candidate)
+            except MpckptError:
+                continue
+            intact = candidate
+            break
+        if intact is not None:
+            where = f"The newest intact checkpoint is step {intact}."
+        elif older:
+            where = (f"None of the {min(len(older), _VERIFY_OLDER)} next older checkpoints verifies either "
+                     f"(`mpckpt verify {self.url}` checks them all).")
+        else:
+            where = "There is no older checkpoint."
+        return type(e)(
+            f"the newest checkpoint in {self.url} does not verify: {e}. {where} To go on from the newest one that "
+            f"verifies: restore(state, fallback=True) (it moves the damaged checkpoint aside, kept, and the run saves "
+            f"its step again), or delete it (`mpckpt rm {self.url} <step> --damaged`, or "
+            f"ckpt.delete(<step>, damaged=True)) and restart. The live state was not changed", path=e.path)
+
+    def _verify(self, step: int) -> None:
+        """Read every byte of checkpoint ``step`` against its checksums (``CorruptCheckpointError`` if not)."""
+        ckpt = self.checkpoint(step)
+        assert ckpt._stored is not None
+        backend, name, manifest = ckpt._stored
+        verify_checkpoint(backend, name, manifest)
 
     def _restore_ranked(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
         """``restore`` on every rank of a job: each reads the byte ranges it needs (resharding).
@@ -532,15 +580,17 @@ class Checkpointer:
             candidates = [step]
         else:
             candidates = sorted((s for s, m in committed.items() if m.kind == "state"), reverse=True)
-            if rt.damaged and not fallback and max(rt.damaged) > max(candidates, default=-1):
-                raise rt.damaged[max(rt.damaged)]
+            newest_damaged = max(rt.damaged, default=-1)
+            if not fallback and newest_damaged > max(candidates, default=-1):
+                e = rt.damaged[newest_damaged]
+                raise self._damaged_newest(e, candidates) if isinstance(e, CorruptCheckpointError) else e
         if not candidates:
-            self.prepare(state)
             return None
         init_optimizer_state(state)
         flat = flatten(state, allow_pickle=self.config.allow_pickle, distributed=True)  # the live DTensors, by name
         assert flat.dist is not None
         targets = {flat.leaves[i].name: shard for i, shard in flat.dist.shards.items()}
+        skipped: list[int] = []
         for candidate in candidates:
             name = checkpoint_name(candidate)
             failure: BaseException | None = None
@@ -555,7 +605,7 @@ class Checkpointer:
                         loaded = shard_like_live(load_checkpoint(rt.backend, name, manifest,
                                                                  allow_pickle=self.config.allow_pickle), targets)
                         read = sum(e.size for e in manifest.files.values())
-                apply_state(state, loaded, strict=strict, source=f"the checkpoint of step {candidate}")
+                apply_state(state, loaded, strict=strict, source=f"step {candidate} of {self.url}")
             except MpckptError as e:
                 failure = e
             # every rank learns how every other fared, so all go on from the same step or all stop
@@ -564,14 +614,20 @@ class Checkpointer:
             failed = [(r, f[0]) for r, f in enumerate(every) if f is not None]
             if not failed:
                 self.stats.restored_bytes = read
-                self.prepare(state)
+                skipped = sorted({*skipped, *(s for s in rt.damaged if s > candidate)})
+                if skipped:  # the job goes on from here: rank 0 moves them aside, then every rank goes on
+                    rt.set_aside(skipped, move=rt.group.rank == 0)
+                    rt.group.all_gather(None)
                 return candidate
             corrupt = all(f[1] for f in every if f is not None)  # decided alike on every rank
             if fallback and step is None and corrupt:
                 log.warning("mpckpt: step %s could not be restored on rank %s, trying an older one: %s", candidate,
                             failed[0][0], failed[0][1])
+                skipped.append(candidate)
                 continue
             if failure is not None:
+                if isinstance(failure, CorruptCheckpointError) and step is None and candidate == candidates[0]:
+                    raise self._damaged_newest(failure, candidates[1:]) from failure
                 raise failure
             rank, why = failed[0]
             raise RankError(f"restoring step {candidate} failed on rank {rank}: {why}", step=candidate,

@@ -280,6 +280,18 @@ class Ledger:
             for step in steps:
                 self._committed.pop(step, None)
 
+    def set_aside(self, steps: list[int]) -> None:
+        """These damaged checkpoints were moved out of the way (``Runtime.set_aside``): no longer
+        listed, and their steps may be saved again. Refused while anything is pending."""
+        with self._cond:
+            if self._pending:
+                raise StepOrderError(f"checkpoints are still being saved; wait() for them before setting the damaged "
+                                     f"checkpoints of steps {sorted(steps)} aside")
+            for step in steps:
+                self._committed.pop(step, None)
+                self._taken.discard(step)
+            self.last_step = max([*self._committed, *self._taken], default=None)
+
     def discard_after(self, step: int) -> list[int]:
         """Forget every committed checkpoint newer than ``step`` (a run goes on from it); return them.
 

@@ -15,7 +15,8 @@ table of their own that a crash could leave wrong:
   stays (``deletion_blockers``), by retention, ``ckpt.delete`` or ``mpckpt rm``.
 
 A damaged checkpoint (a manifest that does not verify) may still be recovered, so the shared
-files whose names its manifest's bytes contain are kept; when those bytes cannot be read at
+files whose names its manifest's bytes contain are kept, and so are those a damaged checkpoint
+set aside (``damaged.step_*``, see ``format.names``) lists; when those bytes cannot be read at
 all, no shared file is deleted (the message says which step to look at).
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from mpckpt.errors import MpckptError
 from mpckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from mpckpt.format.names import SHARED_FOLDER, checkpoint_name, is_shared_path, step_of
+from mpckpt.format.names import SHARED_FOLDER, checkpoint_name, is_aside_name, is_shared_path, step_of
 from mpckpt.storage import Backend
 
 log = logging.getLogger("mpckpt")
@@ -105,6 +106,14 @@ class _Names:
 def _named_by_damaged(backend: Backend, damaged: Mapping[int, Exception]) -> _Names | None:
     """What the manifests of damaged checkpoints contain; None when one cannot be read at all."""
     texts = []
+    for name in backend.list_names():  # damaged checkpoints set aside (format.names.aside_name) may list some too
+        if is_aside_name(name):
+            try:
+                texts.append(backend.read_bytes(f"{name}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES))
+            except MpckptError as e:
+                log.warning("mpckpt: the manifest of %s cannot be read (%s); shared files no checkpoint uses are "
+                            "kept, since it may list them: remove that folder if it cannot be recovered", name, e)
+                return None
     for step in sorted(damaged):
         try:
             texts.append(backend.read_bytes(f"{checkpoint_name(step)}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES))

@@ -47,6 +47,13 @@ from mpckpt.per_rank import PerRank
 TAG = "__mpckpt__"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _KEY_TYPES = (str, int, float, bool, type(None))
+_SHOWN_REFUSED = 3  # refused keys named in the error, of how many there are
+_CONVERT = "int() / float() / str(), dataclasses.asdict(), .tolist(), .state_dict()"
+
+
+def _article(name: str) -> str:
+    """``name`` with its indefinite article: "an argparse.Namespace", "a collections.deque"."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,6 +134,7 @@ class _Flattener:
         self.frozen_ptrs: set[int] = set()
         self.rows_by_object: dict[int, int] = {}
         self.made: dict[int, Any] = {}  # id(value) -> what values.encode made of it (held for the save)
+        self.refused: dict[str, tuple[str, str]] = {}  # path -> (what it holds, how to convert it)
 
     def visit(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
@@ -185,20 +193,36 @@ class _Flattener:
         return {TAG: "dict", "k": keys, "v": vals}
 
     def fallback(self, value: Any, path: str) -> Any:
-        where = path or "<root>"
         if not self.allow_pickle:
-            raise StateError(
-                f"state key {where!r} holds a {type(value).__module__}.{type(value).__qualname__}, which mpckpt "
-                "cannot store as tensors or JSON; convert it to tensors or plain values (e.g. int() / float() / "
-                "str(), dataclasses.asdict(), .tolist(), .state_dict()), or pass allow_pickle=True "
-                "(loading it will then run pickle)",
-                key=path,
-            )
+            cls = type(value)
+            name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
+            hint = (f"store vars({path.rsplit('.', 1)[-1] or 'args'}), a dict of its values"
+                    if name == "argparse.Namespace" else f"convert it to tensors or plain values: {_CONVERT}")
+            self.refuse(path, _article(name), hint)
+            return None
+        where = path or "<root>"
         try:
             blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise StateError(f"state key {where!r}: cannot pickle {type(value).__name__} ({e})", key=path) from e
         return {TAG: "pickle", "v": base64.b64encode(blob).decode()}
+
+    def refuse(self, path: str, what: str, hint: str) -> None:
+        """Note a value that cannot be stored without pickle; ``refusal`` names them all at the end."""
+        self.refused.setdefault(path, (what, hint))  # a value refused by ``values`` is not noted again
+
+    def refusal(self) -> StateError | None:
+        """One error naming every refused key (the first few, and how many), or None."""
+        if not self.refused:
+            return None
+        items = list(self.refused.items())
+        shown = [f"state key {p or '<root>'!r} holds {what}: {hint}" for p, (what, hint) in items[:_SHOWN_REFUSED]]
+        more = f"; and {len(items) - _SHOWN_REFUSED} more" if len(items) > _SHOWN_REFUSED else ""
+        head = ("a value" if len(items) == 1 else f"{len(items)} values") + " that mpckpt cannot store without pickle"
+        them = "it" if len(items) == 1 else "them"
+        return StateError(f"the state holds {head}: {'; '.join(shown)}{more}. Convert {them}, or pass "
+                          "allow_pickle=True (loading will then run pickle, which runs code from storage)",
+                          key=items[0][0])
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # Hot path (one call per tensor per save): only note the tensor; checks and storage
@@ -423,6 +447,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None 
         raise StateError("state is None; pass a dict such as {'model': model, 'optim': optimizer}")
     f = _Flattener(allow_pickle, distributed)
     tree = f.visit(state, "")
+    refused = f.refusal()
+    if refused is not None:
+        raise refused
     if memo is not None:
         flat = memo.reuse(f, tree)
         if flat is not None:

@@ -88,17 +88,20 @@ class Visitor(Protocol):
 
     def mapping(self, value: dict, path: str) -> dict[str, Any]: ...
 
+    def refuse(self, path: str, what: str, hint: str) -> None: ...
+
 
 def _path(parent: str, key: Any) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
 def _refuse(f: Visitor, path: str, what: str, hint: str) -> Any:
-    """``NotImplemented`` when pickle is allowed (the flattener pickles the value), else a ``StateError``."""
+    """``NotImplemented`` when pickle is allowed (the flattener pickles the value); else the
+    value is noted as refused (the walk goes on, so that one error names every such key)."""
     if f.allow_pickle:
         return NotImplemented
-    raise StateError(f"state key {path or '<root>'!r} holds {what}, which mpckpt cannot store without pickle; "
-                     f"{hint}, or pass allow_pickle=True (loading it will then run pickle)", key=path)
+    f.refuse(path, what, hint)
+    return None
 
 
 # -- saving ------------------------------------------------------------------------------------

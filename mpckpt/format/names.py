@@ -7,7 +7,9 @@ written last, whose presence makes the checkpoint exist; ``skeleton.json`` and t
 a state; the user's files of a directory checkpoint under ``files/``. Files that several
 checkpoints use (frozen shards) live in ``shared/``, each under a name no other file ever had
 (``shared_path``: the step that wrote it, a random token, the shard's file name), so a shared
-file is never overwritten and deleting any one checkpoint folder never takes it away. Every
+file is never overwritten and deleting any one checkpoint folder never takes it away. A
+damaged checkpoint that ``restore(fallback=True)`` went back past is moved, whole, to
+``damaged.step_<step>.<UTC time>`` (``aside_name``): kept for a look, no longer in the way. Every
 path below the root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage
 backends and the format both use these names: they live here, below both.
 
@@ -29,6 +31,7 @@ SKELETON_NAME = "skeleton.json"
 USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (format version 2)
 STEP_PREFIX = "step_"
 SHARED_FOLDER = "shared"  # files several checkpoints use (format version 3)
+ASIDE_PREFIX = "damaged."  # damaged checkpoints a run went back past: kept, no longer checkpoints
 _STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
 _SHARED_PATH_RE = re.compile(r"shared/[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
@@ -59,6 +62,20 @@ def step_of(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if checkpoint_name(step) == name else None
+
+
+def aside_name(step: int, when: str) -> str:
+    """The folder a damaged checkpoint of ``step`` is moved to when a run goes back past it.
+
+    ``when`` is a UTC time (``20261124T173000Z``) plus whatever makes it unique. Never a
+    checkpoint name: nothing reads it as one, and the step can be saved again.
+    """
+    return f"{ASIDE_PREFIX}{checkpoint_name(step)}.{when}"
+
+
+def is_aside_name(name: str) -> bool:
+    """Whether a top-level folder is a damaged checkpoint a run set aside (``aside_name``)."""
+    return name.startswith(ASIDE_PREFIX) and "/" not in name
 
 
 def shared_path(step: int, filename: str) -> str:

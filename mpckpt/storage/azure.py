@@ -21,10 +21,12 @@ base's ``_call``).
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -276,6 +278,13 @@ class AzureBlobBackend(ObjectStoreBackend):
         # blob by blob, in parallel, each retried (and named in errors) on its own
         self._delete_names(self._blob_names(relpath))
 
+    def _copy_prefix(self, relpath: str, to: str) -> None:
+        source, target = self._key(relpath), self._key(to)
+        for name in self._blob_names(relpath):
+            dest = self._container.get_blob_client(target + name[len(source):])
+            url = self._container.get_blob_client(name).url
+            self._call(f"copy {self._show(relpath)} to {self._show(to)}", functools.partial(_copy_blob, dest, url))
+
     def _upload(self, relpath: str, local_path: str) -> None:
         blob = self._blob(relpath)
 
@@ -440,3 +449,18 @@ class AzureBlobBackend(ObjectStoreBackend):
     def exists(self, relpath: str) -> bool:
         blob = self._blob(relpath)
         return self._call(f"check {self._show(relpath)}", lambda: bool(blob.exists()))
+
+
+def _copy_blob(dest: Any, source_url: str, *, timeout_s: float = 600.0) -> None:
+    """A server-side copy within the account; waits (bounded) until the service has finished it."""
+    props = dest.start_copy_from_url(source_url)
+    status = props.get("copy_status")
+    deadline = time.monotonic() + timeout_s
+    while status == "pending":
+        if time.monotonic() > deadline:
+            dest.abort_copy(props["copy_id"])
+            raise TimeoutError(f"copying {source_url} did not finish within {timeout_s:.0f} s")
+        time.sleep(0.2)
+        status = dest.get_blob_properties().copy.status
+    if status != "success":
+        raise OSError(f"copying {source_url} ended with status {status}")

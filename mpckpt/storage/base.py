@@ -187,6 +187,15 @@ class Backend(Protocol):
         """
         ...
 
+    def set_aside(self, name: str, aside: str) -> None:
+        """Move checkpoint folder ``name`` to the top-level folder ``aside`` (a damaged checkpoint
+        a run went back past: kept, out of the way of the steps saved again).
+
+        ``aside`` is no checkpoint name, so nothing reads it as one. A crash midway leaves
+        ``name`` as it was (object stores copy every object, then delete ``name`` manifest first).
+        """
+        ...
+
     def delete_file(self, relpath: str) -> None:
         """Delete one file (a shared file no manifest lists any more); quiet when it is not there.
 

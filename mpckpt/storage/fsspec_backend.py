@@ -217,6 +217,15 @@ class FsspecBackend(ObjectStoreBackend):
         path = self._key(relpath)
         self._call(what, lambda: self._rm_quiet(path, recursive=True))
 
+    def _copy_prefix(self, relpath: str, to: str) -> None:
+        source, target = self._key(relpath), self._key(to)
+
+        def copy() -> None:
+            self.fs.invalidate_cache(source)
+            for path in self.fs.find(source):  # every object below, however deep (files/ of a directory checkpoint)
+                self.fs.copy(path, target + path[len(source):])
+        self._call(f"copy {self._show(relpath)} to {self._show(to)}", copy)
+
     def _upload(self, relpath: str, local_path: str) -> None:
         path = self._key(relpath)
         self._call(f"upload {local_path} to {self._show(relpath)}", lambda: self.fs.put_file(local_path, path))

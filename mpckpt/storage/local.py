@@ -473,6 +473,17 @@ class LocalBackend:
         except OSError as e:
             raise storage_error(e, f"cannot delete {self._abs(name)}") from e
 
+    def set_aside(self, name: str, aside: str) -> None:
+        name, aside = _top_level(name), _top_level(aside)
+        root = self._open_root()
+        try:
+            os.rename(name, aside, src_dir_fd=root, dst_dir_fd=root)  # one rename: atomic, a link moved as is
+            os.fsync(root)
+        except OSError as e:
+            raise storage_error(e, f"cannot move {self._abs(name)} to {self._abs(aside)}") from e
+        finally:
+            os.close(root)
+
     def delete_file(self, relpath: str) -> None:
         try:
             with self._parent(relpath) as (parent, name):

@@ -131,6 +131,10 @@ class ObjectStoreBackend(abc.ABC):
         """Delete every object under ``relpath/``, through ``_call`` (``what`` names the job)."""
 
     @abc.abstractmethod
+    def _copy_prefix(self, relpath: str, to: str) -> None:
+        """Copy every object under ``relpath/`` to the same name under ``to/`` (server side), through ``_call``."""
+
+    @abc.abstractmethod
     def _upload(self, relpath: str, local_path: str) -> None:
         """Copy the existing local file ``local_path`` to ``relpath``, through ``_call``."""
 
@@ -238,6 +242,11 @@ class ObjectStoreBackend(abc.ABC):
         # INVARIANT: the manifest goes first, so the checkpoint stops existing at once.
         self._call(f"delete {self._show(rel)}", lambda: self._delete_object(rel))
         self._delete_prefix(name, f"delete {self._show(name)}")
+
+    def set_aside(self, name: str, aside: str) -> None:
+        # no rename on object stores: copy everything, then delete the original (manifest first)
+        self._copy_prefix(name, aside)
+        self.delete(name)
 
     def delete_file(self, relpath: str) -> None:
         self._call(f"delete {self._show(relpath)}", lambda: self._delete_object(relpath))

@@ -280,6 +280,19 @@ class BackendContract:
         backend.delete("step-1")  # idempotent
         backend.delete("never-existed")
 
+    def test_set_aside_moves_a_checkpoint_whole_and_frees_its_name(self, backend: Backend) -> None:
+        put_checkpoint(backend, "step-1")
+        backend.write_file("step-1/files/deeper/user.bin", [b"a user's file"])  # a directory checkpoint's files
+        backend.set_aside("step-1", "damaged.step-1.x")
+        assert backend.list_names() == ["damaged.step-1.x"]
+        assert not backend.exists(f"step-1/{MANIFEST_NAME}")
+        assert backend.read_bytes(f"damaged.step-1.x/{MANIFEST_NAME}") == MANIFEST  # every byte kept
+        assert backend.read_bytes("damaged.step-1.x/shard-0.safetensors") == DATA
+        assert backend.read_bytes("damaged.step-1.x/files/deeper/user.bin") == b"a user's file"
+        put_checkpoint(backend, "step-1", data=DATA[::-1])  # the name is free: the step is saved again
+        assert backend.read_bytes("step-1/shard-0.safetensors") == DATA[::-1]
+        assert backend.read_bytes("damaged.step-1.x/shard-0.safetensors") == DATA
+
     def test_delete_removes_the_manifest_first(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
         put_checkpoint(backend, "step-1")
         backend.write_file("step-1/aaa-sorts-before-the-manifest.bin", [b"x"])

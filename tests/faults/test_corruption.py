@@ -7,8 +7,10 @@ in half), a flipped byte in ``skeleton.json``. Then:
 - ``mpckpt.load(root, step=s)`` raises ``CorruptCheckpointError`` naming the damaged file
   (``CheckpointNotFoundError`` where the manifest is gone: such a folder is no checkpoint);
 - opening a ``Checkpointer`` deletes nothing that has a manifest, damaged or not;
-- ``restore(state, fallback=True)`` restores the newest older checkpoint, bit for bit;
-- ``restore(state)`` without fallback raises instead of silently going back in time.
+- ``restore(state, fallback=True)`` restores the newest older checkpoint, bit for bit, moves the
+  damaged one aside whole (``damaged.step_*``, every byte kept) and the run saves its step again;
+- ``restore(state)`` without fallback raises instead of silently going back in time, and the
+  error names the root, which older step is intact, and both ways on.
 """
 
 from __future__ import annotations
@@ -157,8 +159,25 @@ def test_restore_without_fallback_raises(committed, kind):
     with mpckpt.Checkpointer(committed, workers=1) as ckpt:
         with pytest.raises(CorruptCheckpointError) as info:
             ckpt.restore(state)
-    assert damaged in str(info.value)
+    message = str(info.value)
+    assert damaged in message
+    assert str(committed) in message
+    assert f"The newest intact checkpoint is step {DAMAGED - 1}" in message
+    assert "restore(state, fallback=True)" in message and "--damaged" in message  # both ways on
     assert_same(blank_state(), state)  # nothing half-applied
+
+
+def test_the_error_says_when_no_older_checkpoint_verifies(committed):
+    for step in STEPS:
+        folder = _folder(committed, step)
+        _flip(folder / _shard(folder))
+    with mpckpt.Checkpointer(committed, workers=1) as ckpt, pytest.raises(CorruptCheckpointError) as info:
+        ckpt.restore(blank_state())
+    assert "None of the 2 next older checkpoints verifies either" in str(info.value)
+    with mpckpt.Checkpointer(committed, workers=1) as ckpt, pytest.raises(CorruptCheckpointError, match="verifies"):
+        ckpt.restore(blank_state(), fallback=True)
+    assert sorted(p.name for p in committed.iterdir() if p.name.startswith("step_")) == [
+        _folder(committed, s).name for s in STEPS]  # nothing moved when there is nothing to go on from
 
 
 def test_restore_without_fallback_raises_on_a_torn_manifest(committed):
@@ -197,7 +216,30 @@ def test_a_damaged_step_is_not_saved_over_and_close_does_not_hang(committed):
     _damage(committed, "torn-manifest")
     before = sorted(os.listdir(_folder(committed, DAMAGED)))
     with mpckpt.Checkpointer(committed, workers=1, timeout_s=5) as ckpt:
-        assert ckpt.restore(blank_state(), fallback=True) == DAMAGED - 1
         with pytest.raises((mpckpt.errors.StepOrderError, mpckpt.errors.CommitConflictError)):
             ckpt.save(DAMAGED, state_for(DAMAGED), mode="sync")
     assert sorted(os.listdir(_folder(committed, DAMAGED))) == before
+
+
+@pytest.mark.parametrize("kind", _cases(k for k in DAMAGE if k != "missing-manifest"))
+def test_fallback_sets_the_damaged_step_aside_and_the_run_goes_on(committed, kind):
+    """What a job under a restarting launcher needs: restore the newest intact step, save on."""
+    _damage(committed, kind)
+    folder = _folder(committed, DAMAGED)
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    state = blank_state()
+    with mpckpt.Checkpointer(committed, workers=1, timeout_s=60) as ckpt:
+        assert ckpt.restore(state, fallback=True) == DAMAGED - 1
+        assert ckpt.steps() == [0, 1]
+        ckpt.save(DAMAGED, state_for(DAMAGED + 10))  # the step is saved again, with the new run's values
+        ckpt.save(DAMAGED + 1, state_for(DAMAGED + 11))
+    aside = [p for p in committed.iterdir() if p.name.startswith(f"damaged.step_{DAMAGED:010d}.")]
+    assert len(aside) == 1, sorted(os.listdir(committed))
+    assert {p.name: p.read_bytes() for p in aside[0].iterdir()} == files  # every byte kept, for a look
+    assert_same(state_for(DAMAGED + 10), mpckpt.load(committed, step=DAMAGED))
+    assert_same(state_for(DAMAGED + 11), mpckpt.load(committed))
+    with mpckpt.Checkpointer(committed, workers=1) as ckpt:  # a later open leaves the set-aside folder alone
+        assert ckpt.steps() == [0, 1, DAMAGED, DAMAGED + 1]
+    assert aside[0].exists()
+
+
