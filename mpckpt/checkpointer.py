@@ -456,8 +456,10 @@ class Checkpointer:
         Returns the restored step, or None when there is no checkpoint yet. Only checkpoints
         of states count: a directory checkpoint (files given to ``report``) is skipped when
         looking for the latest, and naming one as ``step`` is an error (its files are had with
-        ``checkpoint(step).to_directory(path)``). With ``fallback``, a checkpoint that does not
-        verify is skipped for the newest older one that does. ``strict`` (as
+        ``checkpoint(step).to_directory(path)``). A newest checkpoint that does not verify is a
+        ``CorruptCheckpointError`` naming the newest older one that does; with ``fallback``, that one
+        is restored and the damaged newer ones are moved aside whole (``damaged.step_*``), so the
+        run saves their steps again. Logs where it restored from (INFO). ``strict`` (as
         ``torch.nn.Module.load_state_dict``): keys of ``state`` that the checkpoint lacks, or the
         reverse, raise a ``StateError`` naming them; ``strict=False`` restores the keys that
         match and leaves the rest. ``discard_newer`` (with ``step``): delete the checkpoints
