@@ -299,6 +299,10 @@ def test_a_step_one_rank_cannot_read_makes_every_rank_fall_back_together(tmp_pat
     assert "trying an older one" in tail(tmp_path / "log.txt")
     restored = torch.load(tmp_path / "out" / "restored.pt")
     assert_equals_full({"model": restored["model"], "optim": {"state": restored["optim"]}}, fsdp2.full(STEPS - 2))
+    assert not last.exists()  # rank 0 moved the damaged step aside, whole, so the job saves it again
+    aside = list(Path(root).glob(f"damaged.{last.name}.*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == sorted(
+        p.name for p in (Path(fsdp2.root) / last.name).iterdir())
 
 
 # -- failures -------------------------------------------------------------------------------------------
