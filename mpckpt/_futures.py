@@ -2,7 +2,11 @@
 
 Every save records its own timings: ``blocked_ms`` (how long the caller waited inside
 ``save``), ``snapshot_ms`` (the copy into shared memory), ``persist_ms`` (from the end of the
-snapshot to the commit), bytes and MB/s. They are on the future and in ``Checkpointer.stats``.
+snapshot to the commit), bytes and MB/s, and how far durability lagged behind it:
+``durable_ms`` (from the ``save`` call until the checkpoint was committed: what a crash in
+between would have lost) and ``waiting`` (how many later saves were already taken, not yet
+durable, when it committed). They are on the future and in ``Checkpointer.stats``, whose
+``waiting`` counts the saves taken and not yet durable right now.
 
 A background failure must surface exactly once: ``SaveFuture`` remembers whether the caller
 already saw the exception through ``result()``/``exception()``, and the checkpointer only
@@ -14,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,10 @@ class SaveStats:
     persist_ms: float = 0.0
     barrier_ms: float = 0.0  # overlapped saves: time optimizer.step() waited for the copy
     written_bytes: int = 0   # bytes actually sent to storage (referenced files excluded)
+    durable_ms: float = 0.0  # from the save call until its commit (0 until committed)
+    waiting: int = 0         # later saves taken and not yet durable when this one committed
+    # when ``save`` was called (``time.perf_counter``): where ``durable_ms`` starts
+    saved_at: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     @property
     def mb_per_s(self) -> float:
@@ -40,6 +49,7 @@ class SaveStats:
             "step": self.step, "status": self.status, "bytes": self.bytes, "written_bytes": self.written_bytes,
             "blocked_ms": round(self.blocked_ms, 3), "snapshot_ms": round(self.snapshot_ms, 3),
             "persist_ms": round(self.persist_ms, 3), "barrier_ms": round(self.barrier_ms, 3), "mb_per_s": round(self.mb_per_s, 1),
+            "durable_ms": round(self.durable_ms, 3), "waiting": self.waiting,
         }
 
 
@@ -153,6 +163,12 @@ class CheckpointerStats:
     def failed(self) -> int:
         return self.count("failed")
 
+    @property
+    def waiting(self) -> int:
+        """Saves taken and not yet durable (neither committed, failed nor dropped) right now:
+        a crash now loses everything since the newest committed step, these included."""
+        return self.count("pending")
+
     def median(self, figure: str) -> float:
         values = [getattr(s, figure) for s in self.saves if s.status == "committed"]
         return statistics.median(values) if values else 0.0
@@ -164,6 +180,7 @@ class CheckpointerStats:
             "peak_shm_bytes": self.peak_shm_bytes,
             "median_blocked_ms": round(self.median("blocked_ms"), 3),
             "median_persist_ms": round(self.median("persist_ms"), 3),
+            "median_durable_ms": round(self.median("durable_ms"), 3), "waiting": self.waiting,
             "saves": [s.as_dict() for s in self.saves],
             "reported": list(self.reported),
         }

@@ -153,7 +153,7 @@ class Runtime:
                                  taken_steps=set(self.damaged))
             self.arena = Arena(config.memory_budget_bytes, pin=pin)
             self.pool = UploaderPool(spec, workers=config.workers, start_method=config.start_method,
-                                     nice=config.nice, max_attempts=config.max_job_attempts,
+                                     priority=config.uploader_priority, max_attempts=config.max_job_attempts,
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
             self.pool.start()

@@ -91,11 +91,13 @@ class Checkpointer:
         validate_timeout_s: float | None = None,
         read_only: bool = False,
         process_group: Any = None,
+        uploader_priority: str | None = None,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
             allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
+            uploader_priority=uploader_priority,
         )
         signals = parse_signals(preemption)
         self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)

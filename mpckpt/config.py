@@ -52,6 +52,30 @@ class UploadMode(str, enum.Enum):
     NO_UPLOAD = "no_upload"  # the files are already where they belong: only commit them
 
 
+class UploaderPriority(str, enum.Enum):
+    """How the uploader processes share the CPU with training (``uploader_priority``).
+
+    The trade-off: the lower they run, the less a save slows the training steps, and the
+    longer a checkpoint takes to become durable on a machine whose cores training keeps busy
+    (saves then pile up in shared memory, and a crash loses every step since the newest
+    durable one).
+    """
+
+    IDLE = "idle"      # SCHED_IDLE (only CPU time nothing else wants) and nice 10
+    LOW = "low"        # nice 10 under the normal scheduler: a smaller share, never starved
+    NORMAL = "normal"  # as training: an equal share
+
+    @property
+    def nice(self) -> int:
+        """How much the uploader raises its nice value above the training process's."""
+        return 0 if self is UploaderPriority.NORMAL else DEFAULT_NICE
+
+    @property
+    def sched_idle(self) -> bool:
+        """Whether the uploader asks for ``SCHED_IDLE`` (where Linux offers it)."""
+        return self is UploaderPriority.IDLE
+
+
 class BudgetPolicy(str, enum.Enum):
     """What ``save`` does when the memory budget is full."""
 
@@ -69,7 +93,8 @@ DEFAULT_JOB_TIMEOUT_S = 300.0
 DEFAULT_VALIDATE_TIMEOUT_S = 3600.0  # one run of validate= (then its process is stopped)
 DEFAULT_MAX_JOB_ATTEMPTS = 3
 DEFAULT_START_METHOD = "forkserver"
-DEFAULT_NICE = 10
+DEFAULT_NICE = 10          # the validator's, and the uploaders' below 'normal' priority
+DEFAULT_UPLOADER_PRIORITY = UploaderPriority.IDLE
 DEFAULT_DIRECT_IO = True   # local files bypass the page cache (O_DIRECT) where the OS has it
 DEFAULT_PROGRESS = True    # a progress bar while loading, when stderr is a terminal
 
@@ -167,6 +192,15 @@ def _parse_enum(enum_type: type[enum.Enum], value: Any, *, setting: str) -> Any:
         raise ConfigError(f"{setting}={value!r} is not one of {choices}") from None
 
 
+def _parse_priority(value: Any, *, setting: str) -> UploaderPriority:
+    try:
+        return UploaderPriority(value if isinstance(value, UploaderPriority) else str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(f"{setting}={value!r} is not an uploader priority; use 'idle' (the default: only CPU time "
+                          "training leaves free), 'low' (nice 10: a smaller share) or 'normal' (an equal share "
+                          "with training)") from None
+
+
 def _parse_bool(value: Any, *, setting: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -201,7 +235,8 @@ class Config:
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_job_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS
     start_method: str = DEFAULT_START_METHOD
-    nice: int = DEFAULT_NICE
+    nice: int = DEFAULT_NICE  # the validator process's
+    uploader_priority: UploaderPriority = DEFAULT_UPLOADER_PRIORITY
     job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
     direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
     keep: RetentionPolicy | None = None
@@ -238,6 +273,7 @@ class Config:
         trigger: Any = None,
         validate: Any = None,
         validate_timeout_s: Any = None,
+        uploader_priority: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -272,6 +308,8 @@ class Config:
             raise ConfigError(f"{name}={raw!r} is not one of {', '.join(map(repr, START_METHODS))}")
         raw, name = pick(direct_io, "MPCKPT_DIRECT_IO")
         use_direct_io = DEFAULT_DIRECT_IO if raw in (None, "") else _parse_bool(raw, setting=name)
+        raw, name = pick(uploader_priority, "MPCKPT_UPLOADER_PRIORITY")
+        priority = DEFAULT_UPLOADER_PRIORITY if raw in (None, "") else _parse_priority(raw, setting=name)
         raw, name = pick(validate_timeout_s, "MPCKPT_VALIDATE_TIMEOUT_S")
         validate_timeout = DEFAULT_VALIDATE_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
         if validate is not None and not callable(validate):
@@ -296,6 +334,7 @@ class Config:
             job_timeout_s=job_timeout,
             start_method=method,
             direct_io=use_direct_io,
+            uploader_priority=priority,
         )
 
 

@@ -4,7 +4,8 @@ For each record the ledger hands over (``Ledger.next_settled``, strictly in sequ
 
 * persisted: write the small files (the skeleton), build the manifest, and let the
   coordinator publish it (``Coordinator.commit``: the manifest is written last), and log one
-  INFO line (step, MiB written, blocked ms, persist ms, MB/s). Then, in
+  INFO line (step, MiB written, blocked ms, persist ms, MB/s, how long after its save it
+  became durable and how many later saves were still waiting). Then, in
   this order: the record's after-commit work (what later saves may reference, deleting the
   user's local folder after an upload), the retention policy's decision (the doomed
   checkpoints are forgotten at once, so nothing lists or references them again, and so are
@@ -16,6 +17,12 @@ For each record the ledger hands over (``Ledger.next_settled``, strictly in sequ
 
 INVARIANT: nothing after the commit can undo it or stop later commits: a failure in
 after-commit work or retention is logged, and the next record is committed regardless.
+
+Durability may lag behind saving: on a machine whose CPUs training keeps busy, uploaders at
+the default ``idle`` priority get little time, and saves pile up in shared memory, taken but
+not durable. A crash then loses every step since the newest committed one. When more than
+``LAG_WARNING_SAVES`` later saves were already taken as a checkpoint commits, the committer
+warns once, saying what it costs and what to do; again only each time the pile doubles.
 
 With ``validate=`` the after-commit work hands the checkpoint to the validator
 (``_commit/validation.py``); retention never deletes a step it ``held`` (validation queued,
@@ -42,6 +49,9 @@ from mpckpt.storage import Backend
 
 log = logging.getLogger("mpckpt")
 
+# more later saves than this already taken when a checkpoint commits: durability lags, warn
+LAG_WARNING_SAVES = 3
+
 
 @dataclass(eq=False)
 class Committer:
@@ -62,6 +72,7 @@ class Committer:
     deletes: bool = True
     _thread: threading.Thread = field(init=False)
     retention_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _lag_warned_at: int = field(init=False, default=0)  # saves waiting when the lag warning was last given
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
@@ -96,8 +107,10 @@ class Committer:
                 self.ledger.mark_committed(record, manifest)
                 stats = record.stats
                 log.info("mpckpt: committed step %d to %s: %.1f MiB written, blocked %.1f ms, persisted in %.1f ms "
-                         "(%.0f MB/s)", record.step, self.backend.url, stats.written_bytes / 2**20, stats.blocked_ms,
-                         stats.persist_ms, stats.mb_per_s)
+                         "(%.0f MB/s), durable %.2f s after save, %s waiting", record.step, self.backend.url,
+                         stats.written_bytes / 2**20, stats.blocked_ms, stats.persist_ms, stats.mb_per_s,
+                         stats.durable_ms / 1e3, _saves(stats.waiting))
+                self._warn_if_lagging(record)
                 for work in record.after_commit:
                     _run_quietly(work, record.step, "after committing")
                 with self.retention_lock:
@@ -119,6 +132,23 @@ class Committer:
         self.coordinator.abandon(record.step, record.staging, "dropped", record.stats.status)
         record.future._resolve(None)  # dropped: skipped or coalesced, status set by the caller
 
+    def _warn_if_lagging(self, record: Pending) -> None:
+        """Warn when more than ``LAG_WARNING_SAVES`` later saves were taken before ``record``
+        became durable: once, and again only when the pile has doubled since the last warning."""
+        waiting = record.stats.waiting
+        if waiting <= LAG_WARNING_SAVES or waiting < 2 * self._lag_warned_at:
+            return
+        self._lag_warned_at = waiting
+        log.warning(
+            "mpckpt: durability lags behind saving: step %d became durable %.1f s after its save, when %s "
+            "(up to step %s) were already taken and not yet durable. A crash now loses every step since the newest "
+            "durable one (step %d), not just those since the last save. The uploaders get too little CPU time or "
+            "bandwidth: let them compete with training with uploader_priority='low' or 'normal' "
+            "(MPCKPT_UPLOADER_PRIORITY; the default 'idle' runs them only when a core is free), give more workers= "
+            "(MPCKPT_WORKERS) for slow storage, or save less often (fewer, larger saves). "
+            "Said again only if the number of saves waiting doubles", record.step, record.stats.durable_ms / 1e3,
+            _saves(waiting, "later save"), self.ledger.last_step, record.step)
+
     def _commit(self, record: Pending) -> Manifest:
         try:
             files = dict(record.files)
@@ -130,7 +160,8 @@ class Committer:
             manifest = Manifest(step=record.step, seq=record.seq, kind=record.kind, files=files,
                                 metrics=record.metrics, format_version=format_version_for(record.kind, files),
                                 world_size=self.coordinator.world_size,
-                                figures=_figures(record), validate=self.validating)
+                                figures=_figures(record, self.ledger.waiting_after(record)),
+                                validate=self.validating)
         except BaseException as e:  # other ranks must not wait for a part that never comes
             self.coordinator.abandon(record.step, record.staging, "failed", _reason(e))
             raise
@@ -183,20 +214,28 @@ def _reason(error: BaseException | None) -> str:
     return "failed" if error is None else f"{type(error).__name__}: {str(error)[:500]}"
 
 
-def _figures(record: Pending) -> dict[str, float | int | None]:
+def _figures(record: Pending, waiting: int) -> dict[str, float | int | None]:
     """What the save cost, as known just before its manifest is written (``mpckpt stats``).
 
-    persist_ms runs to this moment (the ledger's figure also counts the manifest's own write);
+    persist_ms and durable_ms run to this moment (the ledger's figures also count the manifest's
+    own write); ``waiting`` is how many later saves are taken and not yet durable now;
     blocked_ms is None while the caller is still inside ``save``: mode=SYNC waits for this commit.
     """
     stats = record.stats
+    now = time.perf_counter()
     return {
         "blocked_ms": round(stats.blocked_ms, 3) if stats.blocked_ms > 0 else None,
         "snapshot_ms": round(stats.snapshot_ms, 3),
-        "persist_ms": round((time.perf_counter() - record.snapshot_done_at) * 1e3, 3),
+        "persist_ms": round((now - record.snapshot_done_at) * 1e3, 3),
         "bytes": stats.bytes,
         "written_bytes": stats.written_bytes,
+        "durable_ms": round((now - stats.saved_at) * 1e3, 3),
+        "waiting": waiting,
     }
+
+
+def _saves(count: int, noun: str = "save") -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _run_quietly(work: Callable[[], Any], step: int, doing: str) -> None:

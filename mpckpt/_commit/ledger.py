@@ -105,6 +105,16 @@ class Ledger:
         with self._cond:
             return [self._pending[k] for k in sorted(self._pending)]
 
+    def waiting_after(self, record: Pending) -> int:
+        """Saves taken after ``record`` that are still to become durable (neither failed nor
+        dropped): what a crash would lose on top of ``record`` itself."""
+        with self._cond:
+            return self._waiting_after(record)
+
+    def _waiting_after(self, record: Pending) -> int:
+        return sum(1 for r in self._pending.values()
+                   if r.seq > record.seq and r.outcome not in ("failed", "dropped") and r.stats.status == "pending")
+
     def referenced_folders(self) -> set[str]:
         """Folders whose files a committed or pending checkpoint references (never deleted)."""
         with self._cond:
@@ -257,8 +267,11 @@ class Ledger:
     def mark_committed(self, record: Pending, manifest: Manifest) -> None:
         with self._cond:
             self._committed[record.step] = manifest
+            now = time.perf_counter()
             record.stats.status = "committed"
-            record.stats.persist_ms = (time.perf_counter() - record.snapshot_done_at) * 1e3
+            record.stats.persist_ms = (now - record.snapshot_done_at) * 1e3
+            record.stats.durable_ms = (now - record.stats.saved_at) * 1e3
+            record.stats.waiting = self._waiting_after(record)
 
     def update_committed(self, step: int, change: Callable[[Manifest], Manifest]) -> bool:
         """Replace committed ``step``'s manifest by ``change(manifest)`` in this view (validation

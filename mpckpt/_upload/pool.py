@@ -12,7 +12,8 @@ the job fails with an ``UploadError`` naming the file and the exit code.
 Workers are started (``spawn``: without the user's main module, with the trainer's
 environment) and pinged when the pool starts: each proves it can write to the root, so the
 first save finds them warm and storage the *uploaders* cannot write to fails at open, not at
-the first upload. They run niced below training.
+the first upload. They run below training or beside it, as ``priority`` says
+(``config.UploaderPriority``: idle by default).
 
 Callbacks (``Job.on_done``) run on the dispatcher thread; they must be short and must not
 raise (an exception there is recorded and surfaced by ``take_internal_error``).
@@ -34,7 +35,7 @@ from multiprocess.connection import wait as mp_wait
 
 from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
 from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
-from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_NICE, DEFAULT_START_METHOD
+from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_START_METHOD, DEFAULT_UPLOADER_PRIORITY, UploaderPriority
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec
 
@@ -106,14 +107,15 @@ class _Slot:
 
 class UploaderPool:
     def __init__(
-        self, spec: BackendSpec, *, workers: int, start_method: str = DEFAULT_START_METHOD, nice: int = DEFAULT_NICE,
-        max_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS, in_process: bool = False, environ: dict[str, str] | None = None,
+        self, spec: BackendSpec, *, workers: int, start_method: str = DEFAULT_START_METHOD,
+        priority: UploaderPriority = DEFAULT_UPLOADER_PRIORITY, max_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS,
+        in_process: bool = False, environ: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
         self.environ = environ
         self.in_process = in_process
         self.n_workers = workers
-        self.nice = nice
+        self.priority = priority
         self.max_attempts = max_attempts
         self._ctx = uploader_context(start_method)
         self._slots: list[_Slot] = []
@@ -138,10 +140,11 @@ class UploaderPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc: Any
         if self.in_process:
-            proc = _ThreadWorker(worker_main, (child, WorkerSetup(self.spec, self.nice, index)))
+            proc = _ThreadWorker(worker_main, (child, WorkerSetup(self.spec, self.priority.nice, index)))
             proc.start()
         else:
-            setup = WorkerSetup(self.spec, self.nice, index, trainer_pid=os.getpid(), environ=self.environ)
+            setup = WorkerSetup(self.spec, self.priority.nice, index, trainer_pid=os.getpid(), environ=self.environ,
+                                sched_idle=self.priority.sched_idle)
             proc = self._ctx.Process(target=worker_main, args=(child, setup), daemon=True,
                                      name=f"{PROCESS_NAME}-{index}")
             proc.start()

@@ -1,6 +1,7 @@
 """The uploader process: reads jobs from its pipe, writes files, answers with results.
 
-Runs outside the training process's GIL and niced below it. Imports no torch: a job names a
+Runs outside the training process's GIL and, at the default ``uploader_priority`` ('idle'),
+below it. Imports no torch: a job names a
 shared-memory segment, an offset and a length, and the data goes from that mapping to
 storage without passing through a pipe or being copied into the worker (the backend gets
 memoryview slices of the mapping).
@@ -60,10 +61,11 @@ class WorkerSetup:
     """What an uploader needs to start: where it writes, as whom, and how it is named."""
 
     spec: BackendSpec
-    nice: int
+    nice: int                                   # added to the nice value the trainer has
     index: int = 0
     trainer_pid: int = 0                        # 0: a thread of the trainer (no process of its own)
     environ: dict[str, str] | None = None       # the trainer's environment when its Checkpointer opened
+    sched_idle: bool = True                     # SCHED_IDLE, where Linux has it (``UploaderPriority``)
 
     @property
     def title(self) -> str:
@@ -102,22 +104,29 @@ class RemoteFailure:
         return exc
 
 
-def _run_below_training(nice: int) -> None:
-    """Yield the CPU to training: SCHED_IDLE where Linux offers it, and a nice value anyway.
+def _run_below_training(nice: int, *, sched_idle: bool) -> None:
+    """Take the uploader priority: ``nice`` above the trainer's nice value, and SCHED_IDLE
+    where Linux offers it if ``sched_idle`` (``config.UploaderPriority``).
 
     SCHED_IDLE runs the uploader only on cycles nothing else wants, so on a busy box the
-    uploads take longer (the memory budget then applies back-pressure) instead of slowing
-    the training steps.
+    uploads take longer (the memory budget then applies back-pressure, and saves wait longer
+    to become durable) instead of slowing the training steps. Without it the uploader keeps
+    the trainer's policy (SCHED_IDLE itself never: that would make 'low' and 'normal' idle).
     """
-    try:
-        os.nice(nice)
-    except OSError:
-        pass
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+    if nice:
         try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.nice(nice)
         except OSError:
             pass
+    if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")):
+        return
+    try:
+        if sched_idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif os.sched_getscheduler(0) == os.SCHED_IDLE:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
 
 
 def _prctl(option: int, arg: Any) -> None:
@@ -247,7 +256,7 @@ def worker_main(conn: Any, setup: WorkerSetup) -> None:
         set_title(setup.title)
         if setup.environ is not None:
             _take_environment(setup.environ)
-        _run_below_training(setup.nice)
+        _run_below_training(setup.nice, sched_idle=setup.sched_idle)
     try:
         worker: _Worker | None = _Worker(setup.spec)
         startup_error = None

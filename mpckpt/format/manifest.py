@@ -13,6 +13,8 @@ still read, and such a folder is never deleted while a checkpoint references it)
 ``figures`` (optional) is what the save cost, as the committer measured it (``mpckpt
 stats``). Optional keys like it do not change the format version: every mpckpt ignores keys
 it does not know (the checksum covers them all), and a manifest without them still loads.
+The same holds inside ``figures``: a reader keeps the figures it knows (``FIGURES``), and one
+a manifest lacks (``durable_ms`` and ``waiting`` came later) is None: "not recorded".
 So is ``validate`` (true when saved with ``validate=``): the metrics a validation computes
 after the commit live in ``validation.json`` beside it (``format/validation.py``), because a
 committed manifest is never replaced; readers join them into ``metrics`` (``validation``).
@@ -48,8 +50,10 @@ CHECKSUM_ALGO = "xxh3_64"
 KINDS = ("state", "directory")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k files is ~15 MB; larger is not ours
 # what a save cost, each a number or null (blocked_ms: the save had not returned yet when
-# the manifest was written, as with mode=SYNC, which waits for this very commit)
-FIGURES = ("blocked_ms", "snapshot_ms", "persist_ms", "bytes", "written_bytes")
+# the manifest was written, as with mode=SYNC, which waits for this very commit; durable_ms,
+# from the save to the manifest's write, and waiting, the later saves taken and not yet durable
+# then: null in manifests of an mpckpt that did not record them)
+FIGURES = ("blocked_ms", "snapshot_ms", "persist_ms", "bytes", "written_bytes", "durable_ms", "waiting")
 
 
 def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None, *, ranked: bool = False) -> int:
