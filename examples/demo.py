@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="mpckpt-demo-")
+    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)  # --root runs/demo in a fresh clone
     scratch = tempfile.mkdtemp(prefix="mpckpt-demo-torch-save-", dir=os.path.dirname(os.path.abspath(root)))
     try:
         run(args, root, scratch)

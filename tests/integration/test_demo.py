@@ -34,3 +34,14 @@ def test_a_failing_demo_leaves_nothing_behind(tmp_path):
     assert done.returncode != 0
     assert "MPCKPT_MEMORY_BUDGET" in done.stderr
     assert _ours(tmp_path / "tmp") == []
+
+
+def test_the_demo_keeps_its_checkpoints_in_a_root_whose_folder_does_not_exist_yet(tmp_path):
+    """The README's try-out: ``demo.sh --root runs/demo`` in a fresh clone, then ``mpckpt export``."""
+    root = tmp_path / "runs" / "demo"
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), *SMALL, "--root", str(root)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        "step_0000000000", "step_0000000002", "step_0000000003"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["demo"]  # its scratch folder is gone
