@@ -1,14 +1,19 @@
 """The ``mpckpt`` command: list, describe, verify, export and clean up checkpoint folders.
 
     mpckpt ls ROOT [--json]     committed checkpoints with step, commit time, size, files and
-                                metrics; folders that cannot be read are listed as damaged
-    mpckpt info ROOT STEP       one checkpoint: its tensors by dotted state path (dtype, shape,
-                                bytes, shard), its other values, or a directory's files
-    mpckpt verify ROOT [--step] check that checkpoints would load: every file's size and
+                                metrics, under a header row; folders that cannot be read are
+                                listed as damaged
+    mpckpt info ROOT [STEP|latest]
+                                one checkpoint (the newest without a step): its tensors by
+                                dotted state path (dtype, shape, bytes, shard), its other
+                                values, or a directory's files
+    mpckpt verify ROOT [--step STEP]
+                                check that checkpoints would load: every file's size and
                                 checksum, the skeleton and every shard header
-    mpckpt export ROOT STEP --to FILE.safetensors|FILE.pt [--prefix model.]
+    mpckpt export ROOT [STEP|latest] --to FILE.safetensors|FILE.pt [--prefix model.]
                                 the state's tensors by dotted path in one safetensors file, or
-                                the nested state torch.save'd; never replaces a file unless --force
+                                the nested state torch.save'd (the newest without a step);
+                                never replaces a file unless --force
     mpckpt stats ROOT [--plot FILE.png]
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
@@ -22,55 +27,79 @@
                                 --damaged), then the shared files no checkpoint uses any more;
                                 the others stay loadable (takes the writer lock, as gc does)
 
-``--json`` (ls, info, stats) prints one JSON document instead of the table. Every ROOT is a
-path or any URL a Checkpointer takes (``--storage-options`` for credentials and endpoints).
+ROOT is the folder a Checkpointer was given (the one holding the step_* folders), or any URL
+a Checkpointer takes (``--storage-options`` for credentials and endpoints). A wrong ROOT is
+never an empty listing: a folder that does not exist is said to be missing, with the
+checkpoint roots beside it; one that holds no checkpoint makes every command that reads
+checkpoints say "no checkpoint in" and the folder's absolute path, with the checkpoint roots
+found one or two levels below it, how many checkpoints each holds and its newest step.
+``--json`` (ls, info, stats) prints one JSON document instead of the table.
 
-Exit status: 0 on success; 1 when a root cannot be read, a checkpoint does not verify or a
-folder is damaged, or a root is locked; 2 on bad arguments: what argparse refuses, a step
-that is not there (info, export, rm: the message names the steps there are), a damaged step
-or one whose folder another checkpoint reads given to rm without what it needs, an export target
-that exists (without --force) or has an unknown suffix, a prefix that names nothing,
---storage-options that is not JSON. ``verify --step`` of a step that is not there is a
-failed check: 1. Everything printed that comes from storage (file names, metrics, error
-messages quoting them) has its control characters escaped, so a hostile manifest cannot
-drive the terminal.
+Exit status: 0 on success; 1 when a root does not exist or cannot be read, a checkpoint does
+not verify or a folder is damaged, or a root is locked; 2 on bad arguments: what argparse
+refuses, a step that is not there (info, export, rm: the message names the steps there are),
+a damaged step or one whose folder another checkpoint reads given to rm without what it
+needs, an export target that exists (without --force) or has an unknown suffix, a prefix that
+names nothing, --storage-options that is not JSON. ``verify --step`` of a step that is not
+there is a failed check: 1. A folder that exists but holds no checkpoint: ls and stats 0 (an
+empty listing is an answer; the message goes to stderr and ``ls --json`` prints []), verify 1
+(nothing checked proves nothing), info, export and rm 2 (no step, not even the newest, is
+there), gc 1 when no Checkpointer has used the folder (then nothing in it is touched). Everything printed that comes from storage (file names, metrics, error messages
+quoting them) has its control characters escaped, so a hostile manifest cannot drive the
+terminal.
 
-This module owns the argument parser and the dispatch; each command is one module with a
-``run(args) -> int`` (``ls``, ``info``, ``verify``, ``export``, ``stats``, ``gc``, ``rm``), and
-``_common`` holds what they share: the escaping, opening a root, finding a step, turning an
-``MpckptError`` into exit status 1 (``BadArguments``: 2), times, sizes and dotted paths.
+This module owns the argument parser, the dispatch and the help, which is this docstring's
+paragraphs above this one (and for each command, its module's docstring up to the first
+paragraph about the code: ``INVARIANT``, ``This module``) as plain text: the double
+backticks dropped, paragraphs wrapped to the terminal, the indented table kept as written.
+Each command is one module with a ``run(args) -> int`` (``ls``, ``info``, ``verify``,
+``export``, ``stats``, ``gc``, ``rm``); ``_common`` holds what they share: the escaping,
+opening a root, finding a step, turning an ``MpckptError`` into exit status 1
+(``BadArguments``: 2), times, sizes and dotted paths; ``_roots`` finds the checkpoint roots
+below a folder that holds none.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
+from types import ModuleType
 
 from mpckpt.cli import export, gc, info, ls, rm, stats, verify
 from mpckpt.cli._common import exit_status, route_library_log
 
 __all__ = ["main"]
 
+_ROOT_HELP = "the folder a Checkpointer was given (it holds the step_* folders), or its URL"
+_LATEST_HELP = "a committed step, or latest (the default: the newest checkpoint)"
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mpckpt", description=__doc__.split("\n\n")[0])
+    intro, _, rest = _help_text(__doc__ or "").partition("\n\n")
+    parser = argparse.ArgumentParser(prog="mpckpt", description=intro, epilog=rest, formatter_class=_Formatter)
     parser.add_argument("--storage-options", help="JSON object of storage options (credentials, endpoint ...)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list committed checkpoints")
-    p.add_argument("root")
+
+    def command(module: ModuleType, help: str) -> argparse.ArgumentParser:
+        name = module.__name__.rpartition(".")[2]
+        p = sub.add_parser(name, help=help, description=_help_text(module.__doc__ or ""), formatter_class=_Formatter)
+        p.set_defaults(fn=module.run)
+        return p
+
+    p = command(ls, "list committed checkpoints")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
-    p.set_defaults(fn=ls.run)
-    p = sub.add_parser("info", help="the tensors and values of one checkpoint (no tensor data read)")
-    p.add_argument("root")
-    p.add_argument("step", type=_step)
+    p = command(info, "the tensors and values of one checkpoint (no tensor data read)")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
+    p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object: tensors, values, files")
-    p.set_defaults(fn=info.run)
-    p = sub.add_parser("verify", help="check that checkpoints would load")
-    p.add_argument("root")
-    p.add_argument("--step", type=_step)
-    p.set_defaults(fn=verify.run)
-    p = sub.add_parser("export", help="write one checkpoint's state to a .safetensors or .pt file")
-    p.add_argument("root")
-    p.add_argument("step", type=_step)
+    p = command(verify, "check that checkpoints would load")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
+    p.add_argument("--step", type=_step, help="check this step only")
+    p = command(export, "write one checkpoint's state to a .safetensors or .pt file")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
+    p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
     p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt")
     p.add_argument("--prefix", metavar="PATH", help="export only this part of the state (e.g. model.), "
                    "the prefix stripped from every name")
@@ -78,22 +107,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-tied", action="store_true", help="write every name of a tied tensor with its own "
                    "copy (default: keep the first, list the others in the metadata, as safetensors does)")
     p.add_argument("--allow-pickle", action="store_true", help="load pickled values (runs code from storage)")
-    p.set_defaults(fn=export.run)
-    p = sub.add_parser("stats", help="what each save cost: blocked ms, persist ms, bytes, MB/s")
-    p.add_argument("root")
+    p = command(stats, "what each save cost: blocked ms, persist ms, bytes, MB/s")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
-    p.set_defaults(fn=stats.run)
-    p = sub.add_parser("gc", help="remove orphaned shared memory and incomplete folders")
-    p.add_argument("roots", nargs="*")
-    p.set_defaults(fn=gc.run)
-    p = sub.add_parser("rm", help="delete checkpoints; the others stay loadable")
-    p.add_argument("root")
-    p.add_argument("steps", type=_step, nargs="+", metavar="STEP")
+    p = command(gc, "remove orphaned shared memory and incomplete folders")
+    p.add_argument("roots", nargs="*", metavar="ROOT", help=_ROOT_HELP)
+    p = command(rm, "delete checkpoints; the others stay loadable")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
+    p.add_argument("steps", type=_step, nargs="+", metavar="STEP", help="a committed step")
     p.add_argument("--damaged", action="store_true", help="also delete the damaged ones named (otherwise kept: "
                    "they may be recoverable)")
-    p.set_defaults(fn=rm.run)
     return parser
+
+
+def _help_text(doc: str) -> str:
+    """The user's part of a module docstring as plain text: its paragraphs before the first one
+    about the code (``INVARIANT``, ``This module``), without reStructuredText's double backticks."""
+    kept = []
+    for paragraph in textwrap.dedent(doc).strip("\n").split("\n\n"):
+        if paragraph.lstrip().startswith(("INVARIANT", "This module")):
+            break
+        kept.append(paragraph)
+    return re.sub(r"``(.+?)``", r"\1", "\n\n".join(kept), flags=re.DOTALL)
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help text paragraphs wrapped to the terminal; indented blocks (the command table) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(
+            textwrap.indent(paragraph, indent) if paragraph.startswith(" ")
+            else textwrap.fill(" ".join(paragraph.split()), width, initial_indent=indent, subsequent_indent=indent)
+            for paragraph in text.split("\n\n"))
 
 
 def _step(text: str) -> int:
@@ -104,6 +150,16 @@ def _step(text: str) -> int:
     if step < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer)")
     return step
+
+
+def _step_or_latest(text: str) -> int | None:
+    """A step, or None for ``latest`` (the newest checkpoint)."""
+    if text == "latest":
+        return None
+    try:
+        return _step(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a non-negative integer) or latest") from None
 
 
 def main(argv: list[str] | None = None) -> int:

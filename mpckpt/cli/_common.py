@@ -1,6 +1,12 @@
 """What every command of ``mpckpt`` shares: escaped output, opening a root, finding a step,
 the exit status, and how checkpoints are described (time, size, dotted state paths, JSON).
 
+A root named wrongly is never an empty listing: a local folder that does not exist is an
+error saying so (status 1), and one that holds no checkpoint is said to on stderr by every
+command that reads it, with the checkpoint roots found below it (``_roots``): ``scan_root``
+says it (``ls``, ``stats``, ``verify``), and ``committed_step``, ``chosen_step`` and
+``require_checkpoints`` make it the ``BadArguments`` of a command that names a step.
+
 INVARIANT: everything a command prints goes through ``say`` or ``complain`` (the library's
 log records too, through ``PrintableLog``), which escape control characters: file names,
 metrics and error messages quoting them come from storage, and a hostile manifest must not
@@ -24,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from mpckpt.catalog import scan
+from mpckpt.cli._roots import missing, no_checkpoint
 from mpckpt.errors import ConfigError, CorruptCheckpointError, MpckptError
 from mpckpt.format.manifest import Manifest
 from mpckpt.storage import open_backend, spec_for_url
@@ -86,20 +93,62 @@ def backend_for(root: str, options: str | None) -> Any:
         raise BadArguments(f"--storage-options is not a JSON object ({e})") from e
     spec = spec_for_url(root, parsed)
     if spec.scheme == "file" and not os.path.isdir(spec.root):
-        raise ConfigError(f"{spec.root} does not exist; give the folder a Checkpointer wrote to")
+        if os.path.lexists(spec.root):
+            what = "a file, not a folder" if os.path.isfile(spec.root) else "not a folder"
+            raise ConfigError(f"{spec.root} is {what}; give the folder a Checkpointer wrote to")
+        raise ConfigError(missing(spec.root))
     return open_backend(spec)
 
 
 def scan_root(backend: Any, *, clean: bool = False) -> tuple[dict[int, Manifest], dict[int, Exception]]:
-    """The committed checkpoints of ``backend`` by step, and the steps whose folder is damaged."""
+    """The committed checkpoints of ``backend`` by step, and the steps whose folder is damaged;
+    when there is neither, says so on stderr (``no_checkpoint_text``)."""
+    committed, problems = scan_quietly(backend, clean=clean)
+    if not committed and not problems:
+        complain(f"mpckpt: {no_checkpoint_text(backend)}")
+    return committed, problems
+
+
+def scan_quietly(backend: Any, *, clean: bool = False) -> tuple[dict[int, Manifest], dict[int, Exception]]:
+    """``scan_root`` that says nothing of a root with no checkpoint."""
     problems: dict[int, Exception] = {}
     return scan(backend, clean=clean, problems=problems), problems
+
+
+def no_checkpoint_text(backend: Any) -> str:
+    """What to say of a root with no checkpoint: for a local folder, the roots below it too."""
+    url = str(getattr(backend, "url", ""))
+    if os.path.isabs(url) and os.path.isdir(url):
+        return no_checkpoint(url)
+    return f"no checkpoint in {url}; give the folder a Checkpointer was given (it holds step_* folders)"
+
+
+def require_checkpoints(backend: Any, committed: Mapping[int, Manifest], problems: Mapping[int, Exception]) -> None:
+    """``BadArguments`` (status 2) saying there is no checkpoint, and where roots are, if so."""
+    if not committed and not problems:
+        raise BadArguments(no_checkpoint_text(backend))
+
+
+def chosen_step(backend: Any, step: int | None) -> Manifest:
+    """``committed_step``, where ``None`` is the newest checkpoint (damaged or not: what
+    ``mpckpt.load`` reads; a damaged one is status 1 with the reason)."""
+    if step is not None:
+        return committed_step(backend, step)
+    committed, problems = scan_quietly(backend)
+    require_checkpoints(backend, committed, problems)
+    return _manifest_of(backend, max([*committed, *problems]), committed, problems)
 
 
 def committed_step(backend: Any, step: int) -> Manifest:
     """The manifest of committed ``step``: ``BadArguments`` naming the steps there are when it is
     not there, the reason when its folder is damaged (status 1)."""
-    committed, problems = scan_root(backend)
+    committed, problems = scan_quietly(backend)
+    require_checkpoints(backend, committed, problems)
+    return _manifest_of(backend, step, committed, problems)
+
+
+def _manifest_of(backend: Any, step: int, committed: Mapping[int, Manifest],
+                 problems: Mapping[int, Exception]) -> Manifest:
     if step in problems:
         problem = problems[step]
         raise problem if isinstance(problem, MpckptError) else CorruptCheckpointError(f"step {step}: {problem}")

@@ -1,5 +1,5 @@
-"""``mpckpt export ROOT STEP --to FILE.safetensors|FILE.pt [--prefix P] [--force]``: one file
-other tools read.
+"""``mpckpt export ROOT [STEP|latest] --to FILE.safetensors|FILE.pt [--prefix P] [--force]``: one
+file other tools read, of one checkpoint (the newest without a step).
 
 The state is loaded as ``mpckpt.load`` would (every file verified) and written to one local
 file: ``.safetensors`` gets its tensors under their dotted state paths (``model.0.weight``);
@@ -36,7 +36,7 @@ from mpckpt.cli._common import (
     BadArguments,
     backend_for,
     children,
-    committed_step,
+    chosen_step,
     dotted,
     say,
     shorten,
@@ -61,32 +61,33 @@ def run(args: argparse.Namespace) -> int:
                            "(the nested state, torch.save'd)")
     _check_target(target, force=args.force)
     backend = backend_for(args.root, args.storage_options)
-    manifest = committed_step(backend, args.step)
+    manifest = chosen_step(backend, args.step)
+    step = manifest.step
     if manifest.kind != "state":
-        raise BadArguments(f"step {args.step} is a directory checkpoint (files written by you, not a state); "
+        raise BadArguments(f"step {step} is a directory checkpoint (files written by you, not a state); "
                            "read them with Checkpointer(root, read_only=True).checkpoint(step).as_directory()")
     from mpckpt.restore import load_checkpoint
 
     try:
-        state = load_checkpoint(backend, checkpoint_name(args.step), manifest, allow_pickle=args.allow_pickle)
+        state = load_checkpoint(backend, checkpoint_name(step), manifest, allow_pickle=args.allow_pickle)
     except StateError as e:  # a pickled value refused, a class this machine lacks: not damage
         hint = " (mpckpt export --allow-pickle)" if "pickle" in str(e) else ""
-        raise BadArguments(f"step {args.step}: {e}{hint}") from e
-    state = subtree(state, args.prefix or "", step=args.step)
+        raise BadArguments(f"step {step}: {e}{hint}") from e
+    state = subtree(state, args.prefix or "", step=step)
     if kind == "pt":
         _write(target, lambda path: _torch_save(state, path), force=args.force)
-        say(f"wrote {target}: step {args.step}{_part(args.prefix)} as the nested state (torch.save)")
+        say(f"wrote {target}: step {step}{_part(args.prefix)} as the nested state (torch.save)")
         return 0
     tensors, skipped = tensors_by_name(state)
     if not tensors:
-        raise BadArguments(f"step {args.step}{_part(args.prefix)} holds no tensors; nothing to export")
+        raise BadArguments(f"step {step}{_part(args.prefix)} holds no tensors; nothing to export")
     tensors, dropped = untie(tensors, copy_tied=args.copy_tied)
     metadata = {"format": "pt"}  # what transformers' from_pretrained expects of a PyTorch file
     for name, kept in dropped.items():
         metadata.setdefault(name, kept)  # safetensors.torch.save_model's convention
     _write(target, lambda path: _save_safetensors(tensors, metadata, path), force=args.force)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    say(f"wrote {target}: step {args.step}{_part(args.prefix)}, {len(tensors)} tensors, {size_text(size)}")
+    say(f"wrote {target}: step {step}{_part(args.prefix)}, {len(tensors)} tensors, {size_text(size)}")
     if dropped:
         pairs = ", ".join(f"{name} -> {kept}" for name, kept in dropped.items())
         say(shorten(f"tied names left out (the same tensor; listed in the file's metadata): {pairs}", 2000))

@@ -5,6 +5,10 @@ named: only root in the host's PID namespace can tell whether they are in use), 
 each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
 (a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
 that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
+A local folder no Checkpointer has used (no writer lock, checkpoint or staging folder in it:
+a wrong ROOT, such as the folder above the roots) is refused, status 1, naming the checkpoint
+roots below it, and nothing in it is touched.
+
 INVARIANT: a folder with a manifest is never removed, damaged or not.
 """
 
@@ -16,7 +20,12 @@ import os
 from mpckpt._stage import shm as _shm
 from mpckpt.catalog import recover
 from mpckpt.cli._common import backend_for, complain, say
+from mpckpt.cli._roots import no_checkpoint, written_by_mpckpt
 from mpckpt.errors import MpckptError
+
+
+class NotARoot(MpckptError):
+    """A folder no Checkpointer has used, given to gc: status 1, nothing touched."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _gc_root(root: str, options: str | None) -> int:
     backend = backend_for(root, options)
+    folder = str(backend.url)
+    if os.path.isabs(folder) and os.path.isdir(folder) and not written_by_mpckpt(folder):
+        # a wrong ROOT: its shared/ may be someone's files, and no lock file is left behind
+        raise NotARoot(f"nothing removed: {no_checkpoint(folder)}")
     lock = backend.acquire_writer_lock(f"mpckpt gc pid {os.getpid()}")
     try:
         found = recover(backend)  # what opening a Checkpointer there would do

@@ -1,4 +1,5 @@
-"""``mpckpt info ROOT STEP [--json]``: what one checkpoint holds, without reading its tensors.
+"""``mpckpt info ROOT [STEP|latest] [--json]``: what one checkpoint holds (the newest without a
+step), without reading its tensors.
 
 For a state (one saved by the ranks of a job: as one, every DTensor at its global shape,
 with every rank's shard files): every tensor under its dotted state path (``model.0.weight``, the key ``export``
@@ -7,10 +8,12 @@ share storage (tied weights) marked; then every other value (``path = value``, s
 a pickled value is named, never unpickled). For a directory checkpoint: its files.
 
 Only the manifest and the skeleton are read (the skeleton's checksum is checked); the shards
-are not: ``mpckpt verify`` reads every byte. The skeleton is interpreted by the loader's own
-code (``build_tensors``, ``unflatten``) around meta tensors, so the names are those a load
-gives, with no tensor data read; this module owns only the display. A damaged step or a
-skeleton that does not parse is status 1, a step that is not there 2.
+are not: ``mpckpt verify`` reads every byte. A damaged step or a skeleton that does not parse
+is status 1, a step that is not there (or a folder with no checkpoint) 2.
+
+This module owns only the display: the skeleton is interpreted by the loader's own code
+(``build_tensors``, ``unflatten``) around meta tensors, so the names are those a load gives,
+with no tensor data read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 from mpckpt.cli._common import (
     backend_for,
-    committed_step,
+    chosen_step,
     iso_time,
     say,
     say_json,
@@ -59,8 +62,8 @@ class ValueInfo:
 
 def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root, args.storage_options)
-    manifest = committed_step(backend, args.step)
-    name = checkpoint_name(args.step)
+    manifest = chosen_step(backend, args.step)
+    name = checkpoint_name(manifest.step)
     tensors: list[TensorInfo] = []
     values: list[ValueInfo] = []
     stored = 0

@@ -1,7 +1,9 @@
 """``mpckpt ls ROOT [--json]``: committed checkpoints with step, time, kind, size, files and metrics.
 
-A folder that cannot be read is listed as damaged, with the reason on stderr, and makes
-the status 1.
+The table starts with a header row; ``--json`` is the list alone. A folder that cannot be
+read is listed as damaged, with the reason on stderr, and makes the status 1. A folder with
+no checkpoint lists nothing (``[]``) and says so on stderr, naming the checkpoint roots
+below it: status 0, an empty listing being an answer (a root that does not exist is 1).
 
 Sizes say what deleting a checkpoint frees and what it depends on: ``stored_bytes`` is what
 its own folder holds, ``shared_bytes`` what it lists in ``shared/`` (frozen shards written
@@ -38,6 +40,9 @@ from mpckpt.cli._common import (
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import step_of
 
+# the table's first line; each name stands over its column (SIZE: the checkpoint's own folder)
+HEADER = f"{'STEP':>10}  {'TIME (UTC)':<25}  {'KIND':<9} {'SIZE':>14}  {'FILES':>10}  METRICS"
+
 
 def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root, args.storage_options)
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     rows = listing(committed, problems)
     if args.json:
         say_json(rows)
-    else:
+    elif rows:  # none: scan_root said why on stderr, and stdout stays empty
+        say(HEADER)
         for row in rows:
             _say_row(row)
     for step in sorted(problems):

@@ -20,14 +20,24 @@ import argparse
 import os
 
 from mpckpt._commit.shared import collect_orphans, deletion_blockers
-from mpckpt.cli._common import BadArguments, backend_for, complain, say, scan_root, steps_there
+from mpckpt.cli._common import (
+    BadArguments,
+    backend_for,
+    complain,
+    no_checkpoint_text,
+    say,
+    scan_quietly,
+    steps_there,
+)
 from mpckpt.errors import LockedError, MpckptError
-from mpckpt.format.names import checkpoint_name
+from mpckpt.format.names import checkpoint_name, step_of
 from mpckpt.storage import Backend
 
 
 def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root, args.storage_options)
+    if not any(step_of(name) is not None for name in backend.list_names()):  # before the lock: a wrong ROOT
+        raise BadArguments(f"nothing deleted: {no_checkpoint_text(backend)}")  # keeps no lock file
     try:
         lock = backend.acquire_writer_lock(f"mpckpt rm pid {os.getpid()}")
     except LockedError as e:
@@ -40,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _remove(backend: Backend, root: str, steps: list[int], *, damaged: bool) -> int:
-    committed, problems = scan_root(backend)
+    committed, problems = scan_quietly(backend)
+    if not committed and not problems:
+        raise BadArguments(f"nothing deleted: {no_checkpoint_text(backend)}")
     unknown = [s for s in steps if s not in committed and s not in problems]
     if unknown:
         raise BadArguments(f"nothing deleted: no checkpoint of step {unknown[0]} in {backend.url}; "

@@ -1,8 +1,10 @@
 """``mpckpt verify ROOT [--step N]``: check that checkpoints would load.
 
-Every file's size and checksum, the skeleton and every shard header are checked (by
-``restore.verify_checkpoint``, without building tensors). One line per step; the status is
-1 when any step is damaged, missing or does not verify.
+Every file's size and checksum, the skeleton and every shard header are checked, without
+building tensors. One line per step; the status is 1 when any step is damaged, missing or
+does not verify, and when the folder holds no checkpoint (nothing checked proves nothing).
+
+This module owns the report; the checks are ``restore.verify_checkpoint``'s.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root, args.storage_options)
     committed, problems = scan_root(backend)
     steps = [args.step] if args.step is not None else sorted({*committed, *problems})
+    if not steps:  # nothing checked is no proof that anything loads (scan_root said where roots are)
+        return 1
     bad = 0
     for step in steps:
         manifest = committed.get(step)

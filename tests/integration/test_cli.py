@@ -17,7 +17,7 @@ def test_ls_verify_and_gc(tmp_path, capsys):
         ckpt.save(2, {"x": torch.zeros(100)})
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "loss" in out and len(out.strip().splitlines()) == 2
+    assert "loss" in out and len(out.strip().splitlines()) == 3  # the header row, then one row a step
     assert main(["verify", str(tmp_path)]) == 0
 
     shard = next(p for p in (tmp_path / "step_0000000002").iterdir() if p.suffix == ".safetensors")
