@@ -140,7 +140,7 @@ class Committer:
             return
         self._lag_warned_at = waiting
         log.warning(
-            "mpckpt: durability lags behind saving: step %d became durable %.1f s after its save, when %s "
+            "mpckpt: durability lags behind saving: step %d became durable %.2f s after its save, when %s "
             "(up to step %s) were already taken and not yet durable. A crash now loses every step since the newest "
             "durable one (step %d), not just those since the last save. The uploaders get too little CPU time or "
             "bandwidth: let them compete with training with uploader_priority='low' or 'normal' "
