@@ -25,7 +25,8 @@ when saved share it again.
 
 Files that are not unpacked into tensors (``mpckpt verify``, ``Checkpoint.to_directory``) go
 through ``stream_verified``: read in order in chunks, never held whole. Nothing here uses
-numpy, which torch does not require. A tqdm bar is shown when stderr is a terminal.
+numpy, which torch does not require. A read that lasts more than a second draws a progress bar
+on a terminal (``_progress``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import concurrent.futures
 import ctypes
 import json
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +44,8 @@ import torch
 import xxhash
 
 from mpckpt import _dtypes
+from mpckpt._progress import reading_bar
 from mpckpt._stage.snapshot import build_tensors, unflatten
-from mpckpt.config import progress_enabled
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
@@ -58,16 +58,6 @@ _SMALL = 1 << 20          # tensors smaller than this are read together and copi
 _GATHER = 8 << 20         # most bytes one scratch read gathers
 SKELETON_VERSION = 1
 MAX_SKELETON_BYTES = 1 << 30  # 5M tensors' worth; a bigger one is not ours and is never allocated
-
-
-def _progress(total: int, desc: str) -> Any:
-    if not progress_enabled() or not sys.stderr.isatty():  # the setting first: a bad value is an error anywhere
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
 
 
 def _memory(t: torch.Tensor) -> memoryview:
@@ -266,7 +256,7 @@ def _blame(backend: Backend, name: str, manifest: Manifest, shard_names: list[st
 def _read_leaves(backend: Backend, name: str, manifest: Manifest, leaves_spec: list[dict[str, Any]],
                  shard_names: list[str], *, threads: int) -> list[torch.Tensor]:
     """Every leaf in memory of its own, after every shard verified."""
-    bar = _progress(sum(manifest.files[s].size for s in shard_names), f"mpckpt load {name}")
+    bar = reading_bar(sum(manifest.files[s].size for s in shard_names), f"mpckpt load {name}")
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mpckpt-read")
     try:
         opened = pool.map(lambda s: _open_shard(backend, name, manifest, s, bar), shard_names)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from mpckpt.errors import MpckptError
 from mpckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from mpckpt.format.names import SHARED_FOLDER, checkpoint_name, is_aside_name, is_shared_path, step_of
+from mpckpt.format.names import SHARED_FOLDER, checkpoint_name, is_aside_name, is_our_shared_file, step_of
 from mpckpt.storage import Backend
 
 log = logging.getLogger("mpckpt")
@@ -71,7 +71,7 @@ def collect_orphans(backend: Backend, committed: Mapping[int, Manifest],
     if lister is None or getattr(backend, "delete_file", None) is None:
         return []
     try:
-        found = [p for p in lister(SHARED_FOLDER) if is_shared_path(p)]
+        found = [p for p in lister(SHARED_FOLDER) if is_our_shared_file(p)]  # never a file mpckpt did not name
     except MpckptError as e:
         log.warning("mpckpt: cannot list %s/%s, shared files no checkpoint uses are kept: %s", backend.url,
                     SHARED_FOLDER, e)

@@ -36,6 +36,7 @@ import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._dist.skeleton import RankSkeleton, read_rank_skeletons
+from mpckpt._progress import reading_bar
 from mpckpt._stage.snapshot import ShardInfo, _path, build_tensors, unflatten
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import Manifest
@@ -186,7 +187,7 @@ class _Reader:
         self.files = _Files(backend, name, manifest, self.skeletons)
         self.globals = self._index()
         self.threads = threads
-        self._tasks: list[tuple[_Chunk, Callable[[], int]]] = []
+        self._tasks: list[tuple[_Chunk, int, Callable[[], int]]] = []  # (chunk, bytes of the box, read)
         self._regions: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def _index(self) -> dict[str, _Global]:
@@ -249,8 +250,10 @@ class _Reader:
             hi = tuple(min(a + n, b + m) for a, n, b, m in zip(offset, shape, chunk.offset, chunk.shape, strict=True))
             if any(h <= low for low, h in zip(lo, hi, strict=True)) and shape:
                 continue
-            covered += math.prod(h - low for low, h in zip(lo, hi, strict=True))
-            self._tasks.append((chunk, functools.partial(self._copy, dest, offset, chunk, lo, hi, name)))
+            elements = math.prod(h - low for low, h in zip(lo, hi, strict=True))
+            covered += elements
+            self._tasks.append((chunk, elements * dest.element_size(),
+                                functools.partial(self._copy, dest, offset, chunk, lo, hi, name)))
         if covered != math.prod(shape):
             raise CorruptCheckpointError(f"{self.name}: the stored chunks of tensor {name[:80]!r} cover {covered} of "
                                          f"the {math.prod(shape)} elements asked for; the checkpoint is incomplete")
@@ -263,22 +266,30 @@ class _Reader:
         boundary blocks, never read twice by two threads at the same moment.
         """
         tasks, self._tasks = self._tasks, []
-        by_file: dict[str, list[tuple[int, Callable[[], int]]]] = {}
-        for chunk, task in tasks:
+        by_file: dict[str, list[tuple[int, int, Callable[[], int]]]] = {}
+        for chunk, nbytes, task in tasks:
             if not chunk.parts:
                 raise CorruptCheckpointError(f"{self.name}: a rank's skeleton lists a tensor with no parts")
             file, key = chunk.parts[0][0], chunk.parts[0][1]
             entry = self.files.header(file).entries.get(key)
-            by_file.setdefault(file, []).append((entry.start if entry is not None else -1, task))
+            by_file.setdefault(file, []).append((entry.start if entry is not None else -1, nbytes, task))
 
-        def one_file(reads: list[tuple[int, Callable[[], int]]]) -> None:
-            for _, task in sorted(reads, key=lambda r: r[0]):
+        def one_file(reads: list[tuple[int, int, Callable[[], int]]], bar: Any) -> None:
+            for _, nbytes, task in sorted(reads, key=lambda r: r[0]):
                 task()
+                if bar is not None:
+                    bar.update(nbytes)
 
         if by_file:
-            with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="mpckpt-read") as pool:
-                for future in [pool.submit(one_file, reads) for reads in by_file.values()]:
-                    future.result()
+            total = sum(nbytes for reads in by_file.values() for _, nbytes, _ in reads)
+            bar = reading_bar(total, f"mpckpt load {self.name}")
+            try:
+                with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="mpckpt-read") as pool:
+                    for future in [pool.submit(one_file, reads, bar) for reads in by_file.values()]:
+                        future.result()
+            finally:
+                if bar is not None:
+                    bar.close()
         return self.files.bytes_read
 
     # -- reading -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ SHARED_FOLDER = "shared"  # files several checkpoints use (format version 3)
 ASIDE_PREFIX = "damaged."  # damaged checkpoints a run went back past: kept, no longer checkpoints
 _STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
 _SHARED_PATH_RE = re.compile(r"shared/[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_OUR_SHARED_RE = re.compile(r"shared/step_[0-9]{10,}\.[0-9a-f]+\..+")
 
 
 def rank_prefix(rank: int) -> str:
@@ -85,6 +86,12 @@ def shared_path(step: int, filename: str) -> str:
     file there is written once and never replaced (object stores have no rename to publish it).
     """
     return f"{SHARED_FOLDER}/{checkpoint_name(step)}.{secrets.token_hex(12)}.{filename}"
+
+
+def is_our_shared_file(path: str) -> bool:
+    """Whether ``path`` has the form only ``shared_path`` gives (``shared/step_<step>.<hex token>.<file>``):
+    what may be deleted as an orphan. A file of another form in ``shared/`` is someone else's."""
+    return is_shared_path(path) and _OUR_SHARED_RE.fullmatch(path) is not None
 
 
 def is_shared_path(path: str) -> bool:

@@ -323,8 +323,6 @@ def test_a_load_draws_nothing_off_a_terminal_or_when_turned_off(big_root):
         assert "%|" not in seen
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: mpckpt/restore.py's _progress draws at once; it should call "
-                   "mpckpt._progress.reading_bar (remove this mark when it does)")
 def test_a_quick_load_draws_nothing(big_root):
     status, seen = run_in_terminal(_LOAD, big_root, 0, env={})
     assert status == 0 and "loaded" in seen, seen
@@ -350,8 +348,6 @@ def ranked_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: mpckpt/_dist/reading.py draws no bar; _Reader.run should open "
-                   "mpckpt._progress.reading_bar (remove this mark when it does)")
 def test_a_slow_load_of_a_multi_rank_checkpoint_draws_a_bar(ranked_root):
     assert (ranked_root / "step_0000000001" / "r00000-skeleton.json").exists()  # the multi-rank format
     status, seen = run_in_terminal(_LOAD, ranked_root, 1.5, env={})

@@ -110,3 +110,15 @@ def test_every_unstorable_value_is_named_at_once(tmp_path):
     with mpckpt.Checkpointer(tmp_path / "run", workers=1) as ckpt:
         ckpt.save(0, state, mode="sync")
     assert mpckpt.load(tmp_path / "run")["args"] == {"lr": 20, "bptt": 35}
+
+
+def test_a_file_of_the_users_in_shared_is_never_taken_for_an_orphan(tmp_path):
+    """``shared/`` of a folder given as a root may hold someone's files: only names mpckpt writes go."""
+    root = tmp_path / "project"
+    (root / "shared").mkdir(parents=True)
+    (root / "shared" / "notes.txt").write_text("mine")
+    (root / "shared" / "step_0000000001.0123456789abcdef01234567.shard-00000.safetensors").write_bytes(b"x")
+    with mpckpt.Checkpointer(root, workers=1) as ckpt:  # opening a writer collects orphans
+        ckpt.save(0, {"w": torch.ones(4)}, mode="sync")
+    assert (root / "shared" / "notes.txt").read_text() == "mine"
+    assert not (root / "shared" / "step_0000000001.0123456789abcdef01234567.shard-00000.safetensors").exists()
