@@ -86,7 +86,7 @@ def test_a_checkpoint_without_a_declared_variable_is_refused_unless_strict_is_fa
         newer = mpckpt.LoopState(lr=20.0, best_val=math.inf, hidden=(torch.zeros(1),))  # the script forgot it before
         with pytest.raises(StateError, match="lacks variable 'hidden' that this LoopState declares") as e:
             ckpt.restore({"loop": newer})
-        assert e.value.key == "hidden" and newer.lr == 20.0
+        assert e.value.key == "loop.hidden" and newer.lr == 20.0  # the full key path of the state
         with pytest.raises(StateError, match="holds variable 'best_val' that this LoopState does not declare"):
             ckpt.restore({"loop": mpckpt.LoopState(lr=20.0)})
         assert ckpt.restore({"loop": newer}, strict=False) == 0

@@ -54,11 +54,11 @@ def test_progress_is_on_by_default_and_follows_the_variable(monkeypatch):
 
 
 def test_loading_refuses_a_bad_progress_value(monkeypatch):
-    from mpckpt import restore
+    from mpckpt._progress import reading_bar
 
     monkeypatch.setenv("MPCKPT_PROGRESS", "maybe")
     with pytest.raises(ConfigError, match="MPCKPT_PROGRESS"):
-        restore._progress(1, "load")
+        reading_bar(1, "load")
 
 
 def test_defaults_are_written_once_and_resolve_uses_them():
