@@ -343,6 +343,21 @@ class Checkpointer:
                               "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
         self._writer().delete([self._check_int(s) for s in steps], damaged=damaged)
 
+    def discard_newer(self, step: int) -> list[int]:
+        """Delete the committed checkpoints newer than ``step``, so that saving goes on from there.
+
+        What ``restore(state, step=N, discard_newer=True)`` does after its restore, for a run that
+        got to ``step`` another way (a framework's own resume; ``0``: a fresh start). Returns the
+        deleted steps. Waits for pending saves first; refused when a damaged checkpoint newer than
+        ``step`` is in the way (``StepOrderError``) and in a multi-rank job (``ConfigError``).
+        """
+        self._check_usable()
+        step = self._check_int(step)
+        if self._writer().group is not None:
+            raise ConfigError("discard_newer() is not available in a multi-rank job; delete the newer checkpoints "
+                              "with `mpckpt rm` before the job starts")
+        return self._writer().discard_after(step)
+
     def forget_deleted(self) -> list[int]:
         """Stop listing the committed checkpoints that someone else deleted (a framework's own
         retention, such as Ray Train's ``num_to_keep``, or ``mpckpt rm``): each listed step whose

@@ -1,9 +1,8 @@
 """Hugging Face Trainer: ``MpckptCallback`` saves through mpckpt; ``resume_path`` resumes from it.
 
-This module owns the mapping between the Trainer's checkpoints (``checkpoint-N`` folders of
-``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
-``trainer_state.json``) and mpckpt steps, and nothing else; it imports transformers here and
-only here (``require``).
+This module owns the mapping between the Trainer's checkpoints (``checkpoint-N`` folders) and
+mpckpt steps, and nothing else; it imports transformers here and only here (``require``). The
+bytes of a ``checkpoint-N`` folder are ``_transformers_folder``'s.
 
 ``Trainer(..., callbacks=[MpckptCallback(root, **checkpointer_options)])``:
 
@@ -18,21 +17,29 @@ only here (``require``).
   random generator: every ``DataLoader`` iterator does). The callback takes the snapshot at the
   first event after that point, before anything changes the weights, the optimizer or the
   generators: the next ``on_step_begin`` (before the forward pass), the ``on_epoch_end`` or
-  ``on_epoch_begin`` that follows, or ``on_train_end``. The state: the model (``model``),
-  the optimizer (``optimizer``), the LR scheduler (``scheduler``), ``mpckpt.RNGState()``
-  (``rng``: torch CPU and CUDA, Python ``random``, NumPy) and the ``TrainerState`` as JSON
-  (``trainer_state``, with this save's ``TrainerControl`` and ``ExportableState`` callbacks'
-  states, as the Trainer records them). ``save_only_model=True`` saves the model and the
-  trainer state only, as the Trainer does.
+  ``on_epoch_begin`` that follows, the log of the run's summary, or ``on_train_end``. The state:
+  the model (``model``), the optimizer (``optimizer``), the LR scheduler (``scheduler``),
+  ``mpckpt.RNGState()`` (``rng``: torch CPU and CUDA, Python ``random``, NumPy), the
+  ``TrainerState`` as JSON (``trainer_state``, with this save's ``TrainerControl`` and
+  ``ExportableState`` callbacks' states, which it also records in the live state, as the Trainer
+  does), and what the Trainer writes beside the weights (``config``, ``generation_config``,
+  ``training_args``). ``save_only_model=True`` leaves out the optimizer, scheduler and generators.
+* **One lineage per root.** Steps only increase. A ``train()`` that starts before the root's
+  newest step (a fresh run into a used root, a resume from an older step) would save nothing:
+  ``on_train_begin`` raises a ``StepOrderError`` before the first step, unless
+  ``discard_newer=True``, which deletes the checkpoints newer than the step it starts from.
 * **Best model.** The Trainer records ``state.best_metric`` / ``best_global_step`` after the
   evaluation, before the snapshot. Only with ``save_strategy="best"`` does the callback record
   them itself in ``on_evaluate`` (the Trainer's strict comparison), so that the Trainer's own check
   finds nothing new and does not save: that is how that save is taken over (put the callback
-  after ``EarlyStoppingCallback`` there: callbacks after it see the new best already).
-  ``load_best_model_at_end``: at ``on_train_end`` the model gets the weights of the best
-  committed checkpoint (the Trainer would load its folder just before).
+  after ``EarlyStoppingCallback`` there: callbacks after it see the new best already). Once the
+  best step is saved, ``state.best_model_checkpoint`` is ``<best_model_dir>/checkpoint-<step>``
+  (default ``<output_dir>/mpckpt-best``), a folder a thread of the callback writes from storage
+  once that step is committed (the model as ``Trainer.save_model`` writes it, and the trainer
+  state); only the newest best is kept there. The end of ``train()`` waits for it, so the
+  Trainer's own ``load_best_model_at_end`` loads from it.
 * **Retention.** ``save_total_limit=N`` is ``KeepLast(N)``, joined with ``KeepBest(1,
-  "eval_<metric>")`` under ``load_best_model_at_end`` (the Trainer's rotation keeps the best
+  "eval_<metric>")`` when ``metric_for_best_model`` is set (the Trainer's rotation keeps the best
   too); mpckpt never deletes the newest. ``keep=`` / ``keep_last=`` given to the callback win.
   Every save's metrics are the evaluation metrics of its step and ``epoch``.
 * ``on_train_end`` waits for every commit and closes the Checkpointer: when ``train()``
@@ -71,16 +78,16 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-import torch
-
 import mpckpt
 from mpckpt.config import UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, StateError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, StateError, StepOrderError
 from mpckpt.integrations import require
 
 _transformers = require("transformers", "transformers")
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+
+from mpckpt.integrations._transformers_folder import FOLDER, BestFolder, model_files, write_folder  # noqa: E402
 
 log = logging.getLogger("mpckpt")
 
@@ -88,6 +95,7 @@ __all__ = ["MpckptCallback", "resume_path"]
 
 FORMAT = "mpckpt-transformers-1"  # the ``format`` value of every state this module saves
 _SUMMARY_KEY = "train_runtime"  # in the log entry the Trainer appends when training ends
+_BEST_DIR = "mpckpt-best"  # under output_dir: the best checkpoint's folder (best_model_dir=True)
 
 
 class MpckptCallback(TrainerCallback):  # type: ignore[misc]
@@ -97,14 +105,24 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
     ``options`` go to ``mpckpt.Checkpointer`` (``memory_budget``, ``workers``, ``overlap``,
     ``keep``, ``keep_last``, ``storage_options`` ...). ``mode`` is the upload mode of each save
     (``ASYNC`` by default: the Trainer waits for the copy only).
+
+    ``discard_newer``: when ``train()`` starts before the root's newest step (a fresh run into a
+    used root, or a resume from an older step), delete the checkpoints newer than the step it
+    starts from, and save on from there; by default that is a ``StepOrderError`` at
+    ``on_train_begin``, before the first step. ``best_model_dir``: where the folder that
+    ``state.best_model_checkpoint`` names is written (``True``: ``<output_dir>/mpckpt-best``;
+    ``False``: not written, and ``best_model_checkpoint`` stays ``None``).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, mode: UploadMode | str = UploadMode.ASYNC,
+                 discard_newer: bool = False, best_model_dir: str | os.PathLike[str] | bool = True,
                  **options: Any) -> None:
         if "read_only" in options:
             raise ConfigError("MpckptCallback saves; read_only= is not one of its options")
         self.root = root
         self.mode = mode
+        self.discard_newer = bool(discard_newer)
+        self.best_model_dir = best_model_dir
         self.options = dict(options)
         self.checkpointer: mpckpt.Checkpointer | None = None
         self.futures: list[mpckpt.SaveFuture] = []  # every save of this process, in order
@@ -113,6 +131,9 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         self._last_saved: int | None = None
         self._training = False
         self._prepared = False
+        self._model_files: dict[str, Any] = {}
+        self._saved: dict[int, mpckpt.SaveFuture | None] = {}  # steps in the root: None = committed before
+        self._best = BestFolder()
 
     # -- life ------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -130,15 +151,68 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             if args.world_size > 1:
                 options.setdefault("process_group", False)  # rank 0 saves alone, as the Trainer does
             self.checkpointer = mpckpt.Checkpointer(self.root, **options)
+            try:
+                self._go_on_from(int(state.global_step), args)
+            except BaseException:
+                self.close()
+                raise
             self._last_saved = self.checkpointer.latest_step
+            self._saved = dict.fromkeys(self.checkpointer.steps())
+            self._model_files = model_files(kwargs.get("model"), args)
+            self._best = BestFolder(self._best_dir(args), kwargs.get("processing_class"))
+            if state.best_global_step in self._saved:  # a resume: the folder may be on another machine
+                self._best_saved(state, int(state.best_global_step))
+
+    def _go_on_from(self, start: int, args: TrainingArguments) -> None:
+        """Refuse a ``train()`` that starts before the root's newest step, or (``discard_newer``)
+        delete the newer checkpoints: steps only increase, so it would save nothing otherwise."""
+        assert self.checkpointer is not None
+        latest = self.checkpointer.latest_step
+        if latest is None or latest <= start:
+            return
+        newer = [s for s in self.checkpointer.steps() if s > start]
+        if not self.discard_newer:
+            begins = "a fresh run (step 0)" if start == 0 else f"a resume from step {start}"
+            raise StepOrderError(
+                f"MpckptCallback: {self.checkpointer.url} already holds checkpoints up to step {latest} "
+                f"(newer than step {start}: {newer[-5:]}), and this train() is {begins}; steps must increase, so "
+                "none of its saves could be made. To go on from the newest: "
+                "train(resume_from_checkpoint=resume_path(root)); to go on from this step and delete the newer "
+                "checkpoints: MpckptCallback(root, discard_newer=True); to keep them: a new root")
+        log.warning("mpckpt: discard_newer=True: train() starts from step %d; deleting the newer checkpoints %s "
+                    "of %s", start, newer, self.checkpointer.url)
+        self.checkpointer.discard_newer(start)
+        best_dir = self._best_dir(args)
+        if best_dir is not None and os.path.isdir(best_dir):  # a best folder of the discarded steps
+            for name in os.listdir(best_dir):
+                found = FOLDER.match(name)
+                if found and int(found.group(1)) > start:
+                    shutil.rmtree(os.path.join(best_dir, name), ignore_errors=True)
+
+    def _best_dir(self, args: TrainingArguments) -> str | None:
+        if self.best_model_dir is False or self.best_model_dir is None:
+            return None
+        if self.best_model_dir is True:
+            return os.path.join(str(args.output_dir), _BEST_DIR)
+        return os.fspath(self.best_model_dir)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               **kwargs: Any) -> None:
+        if self._training and _SUMMARY_KEY in (kwargs.get("logs") or {}):
+            # the run's summary: next, the Trainer loads the best model (load_best_model_at_end),
+            # which changes the weights: the last snapshot is taken now, and the best folder made
+            self._flush(args, state, control, kwargs)
+            self._best.settle(state, raise_errors=False)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         try:
             self._flush(args, state, control, kwargs)
-            if args.load_best_model_at_end and self.checkpointer is not None:
+            if self.checkpointer is not None:
                 self.checkpointer.wait()
-                self._load_best(state, kwargs.get("model"))
+            self._best.settle(state, raise_errors=True)
+            if args.load_best_model_at_end and self.checkpointer is not None and state.best_model_checkpoint is None:
+                self._load_best(state, kwargs.get("model"))  # no folder for the Trainer to load it from
         finally:
             self._training = False
             self.close()
@@ -152,8 +226,11 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         """Wait for every save, stop the uploaders; ``on_train_end`` does this (also after a crash:
         call it, or let the Checkpointer's finalizer commit what is pending at exit)."""
         checkpointer, self.checkpointer = self.checkpointer, None
-        if checkpointer is not None:
-            checkpointer.close()
+        try:
+            self._best.stop()
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
 
     # -- when to save ----------------------------------------------------------------------------
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -166,7 +243,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             # after the first optimizer step the optimizer has its state: make the shared memory of
             # the saves now, once, so that every save is a copy only (mpckpt's prepare())
             self._prepared = True
-            self.checkpointer.prepare(self._state(args, state, control, kwargs, len(state.log_history)))
+            self.checkpointer.prepare(self._state(args, state, control, kwargs, len(state.log_history))[0])
         self._claim(state, control)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -207,31 +284,51 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         step = int(state.global_step)
         if self.checkpointer is None or self._last_saved is not None and step <= self._last_saved:
             return  # another process saves; or this step is saved already (a step save, then an epoch save)
-        snapshot = self._state(args, state, control, kwargs, claimed_at)
+        best = state.best_global_step
+        if best is not None and (best == step or best in self._saved):
+            self._best_saved(state, int(best))  # the Trainer records the folder before its trainer_state.json
+        snapshot, callbacks = self._state(args, state, control, kwargs, claimed_at)
         metrics = {"epoch": float(state.epoch or 0.0), **self._eval_metrics.get(step, {})}
         self._eval_metrics = {s: m for s, m in self._eval_metrics.items() if s > step}
         future = self.checkpointer.save(step, snapshot, metrics=metrics, mode=self.mode, force=True)
+        state.stateful_callbacks = callbacks  # type: ignore[assignment]  # as the Trainer records them at its save
         if future is not None:
             self.futures.append(future)
+            self._saved[step] = future
+            if best == step:
+                self._best.make(step, self.checkpointer, future)
         self._last_saved = step
 
-    @staticmethod
-    def _state(args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any],
-               claimed_at: int) -> dict[str, Any]:
-        """What one save holds: the objects (mpckpt calls their ``state_dict()``) and the trainer state."""
+    def _best_saved(self, state: TrainerState, best: int) -> None:
+        """The best step is (being) saved: ``best_model_checkpoint`` names its folder, made once committed."""
+        if self._best.dir is None or self.checkpointer is None:
+            return
+        path = state.best_model_checkpoint = self._best.path(best)
+        if best == self._best.step or best not in self._saved:
+            return  # asked for already; or being saved now (asked for once the save is made)
+        saving = self._saved[best]
+        if saving is None and os.path.isdir(path):  # committed before this run, and written then
+            self._best.step, self._best.made = best, path
+            return
+        self._best.make(best, self.checkpointer, saving)
+
+    def _state(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               kwargs: Mapping[str, Any], claimed_at: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What one save holds (mpckpt calls the objects' ``state_dict()``), and the callbacks' states."""
         model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
         if model is None:
             raise StateError("MpckptCallback: the Trainer passed no model to the callback; nothing to save")
+        trainer_state = _trainer_state(state, control, claimed_at)
         snapshot: dict[str, Any] = {"format": FORMAT, "model": model,
-                                    "trainer_state": _trainer_state_json(state, control, claimed_at)}
+                                    "trainer_state": json.dumps(trainer_state, sort_keys=True), **self._model_files}
         if not args.save_only_model:
             if optimizer is None or scheduler is None:
                 raise StateError("MpckptCallback: the Trainer passed no optimizer or LR scheduler to the callback")
             snapshot.update(optimizer=optimizer, scheduler=scheduler, rng=mpckpt.RNGState())
-        return snapshot
+        return snapshot, trainer_state["stateful_callbacks"]
 
     def _load_best(self, state: TrainerState, model: Any) -> None:
-        """``load_best_model_at_end``: the best committed checkpoint's weights into ``model``."""
+        """``load_best_model_at_end`` without a best folder: the best committed checkpoint's weights."""
         assert self.checkpointer is not None
         best = state.best_global_step
         if not best or model is None:
@@ -239,9 +336,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         if best not in self.checkpointer.steps():
             log.warning("mpckpt: the best step %s was evaluated but not saved; the model stays the last one", best)
             return
-        weights = self.checkpointer.load(best)["model"]
-        model.load_state_dict(weights)
-        state.best_model_checkpoint = self.checkpointer.checkpoint(best).path
+        model.load_state_dict(self.checkpointer.load(best)["model"])
         log.info("mpckpt: loaded the best model (step %s, %s=%s)", best, "best_metric", state.best_metric)
 
 
@@ -253,11 +348,11 @@ def _check_supported(args: TrainingArguments) -> None:
 
 
 def _retention(args: TrainingArguments) -> mpckpt.RetentionPolicy | None:
-    """``save_total_limit`` (and the best checkpoint under ``load_best_model_at_end``) as mpckpt retention."""
+    """``save_total_limit`` (and the best checkpoint, which the Trainer's rotation keeps) as mpckpt retention."""
     if not args.save_total_limit:
         return None
     keep: mpckpt.RetentionPolicy = mpckpt.KeepLast(int(args.save_total_limit))
-    if args.load_best_model_at_end and args.metric_for_best_model:
+    if args.metric_for_best_model:
         keep = keep | mpckpt.KeepBest(1, _metric_name(args), "max" if args.greater_is_better else "min")
     return keep
 
@@ -292,13 +387,12 @@ def _record_best(args: TrainingArguments, state: TrainerState, metrics: Mapping[
     return better
 
 
-def _trainer_state_json(state: TrainerState, control: TrainerControl, claimed_at: int) -> str:
-    """The ``trainer_state.json`` the Trainer would write at its save point, as text."""
+def _trainer_state(state: TrainerState, control: TrainerControl, claimed_at: int) -> dict[str, Any]:
+    """The ``trainer_state.json`` the Trainer would write at its save point."""
     data = dataclasses.asdict(state)
     # the summary entry train() appends after the last save point is not part of the checkpoint
     data["log_history"] = [entry for i, entry in enumerate(data["log_history"])
                            if i < claimed_at or _SUMMARY_KEY not in entry]
-    data["best_model_checkpoint"] = None  # a folder path to the Trainer; the best step is best_global_step
     callbacks = dict(data.get("stateful_callbacks") or {})
     for cb in [*_exportable_callbacks(), control]:
         if hasattr(cb, "state") and callable(cb.state):
@@ -306,13 +400,13 @@ def _trainer_state_json(state: TrainerState, control: TrainerControl, claimed_at
     if isinstance(callbacks.get("TrainerControl"), dict) and isinstance(callbacks["TrainerControl"].get("args"), dict):
         callbacks["TrainerControl"]["args"]["should_save"] = True  # as at the Trainer's save (we cleared the flag)
     data["stateful_callbacks"] = callbacks
-    return json.dumps(data, sort_keys=True)
+    return data
 
 
 def _exportable_callbacks() -> list[Any]:
     """The Trainer's callbacks with a state of their own (``ExportableState``: early stopping ...).
 
-    Callbacks are not given the handler; its ``call_event`` frame holds it (three frames up:
+    Callbacks are not given the handler; its ``call_event`` frame holds it (a few frames up:
     ``_flush`` <- our event method <- ``call_event``). Nothing found: only ``TrainerControl``.
     """
     exportable = getattr(_transformers.trainer_callback, "ExportableState", None)
@@ -347,9 +441,12 @@ def resume_path(root: str | os.PathLike[str], step: int | None = None, *, direct
     """What ``trainer.train(resume_from_checkpoint=...)`` takes: a folder in the Trainer's layout.
 
     Materialized from the newest committed checkpoint under ``root`` (or ``step``) into
-    ``directory/checkpoint-<step>`` (default: a temporary folder removed at exit).
+    ``directory/checkpoint-<step>`` (default: a temporary folder removed at exit): the weights,
+    optimizer, scheduler, generators and trainer state, with ``config.json``,
+    ``generation_config.json`` and ``training_args.bin`` as the Trainer writes them.
     ``None`` when ``root`` has no checkpoint yet, so ``resume_from_checkpoint=resume_path(root)``
-    starts a fresh run the first time and resumes afterwards.
+    starts a fresh run the first time and resumes afterwards. To go on from an older ``step``,
+    give the callback ``discard_newer=True`` (the newer checkpoints are deleted when training starts).
     """
     started = time.perf_counter()
     try:
@@ -361,56 +458,14 @@ def resume_path(root: str | os.PathLike[str], step: int | None = None, *, direct
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise StateError(f"the checkpoint of {root} was not saved by MpckptCallback (no format {FORMAT!r}); "
                          "load it with mpckpt.load or Checkpointer.restore instead")
-    trainer_state = json.loads(state["trainer_state"])
-    saved_step = int(trainer_state["global_step"])
+    saved_step = int(json.loads(state["trainer_state"])["global_step"])
     if directory is None:
         parent = tempfile.mkdtemp(prefix="mpckpt-hf-resume-")
         _MADE.append(parent)
     else:
         parent = os.fspath(directory)
     folder = os.path.join(parent, f"checkpoint-{saved_step}")
-    if os.path.exists(folder):
-        shutil.rmtree(folder)
-    os.makedirs(folder)
-    _write_model(state["model"], os.path.join(folder, "model.safetensors"))
-    if "optimizer" in state:
-        torch.save(state["optimizer"], os.path.join(folder, "optimizer.pt"))
-        torch.save(state["scheduler"], os.path.join(folder, "scheduler.pt"))
-    if "rng" in state:
-        torch.save(_hf_rng(state["rng"]), os.path.join(folder, "rng_state.pth"))
-    with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
-        json.dump(trainer_state, f, indent=2, sort_keys=True)
+    write_folder(state, folder)
     log.info("mpckpt: step %s of %s materialized for the Trainer in %s (%.0f ms)", saved_step, root, folder,
              (time.perf_counter() - started) * 1e3)
     return folder
-
-
-def _write_model(weights: Mapping[str, torch.Tensor], path: str) -> None:
-    """``model.safetensors`` as the Trainer loads it; tied weights written under each name."""
-    safetensors_torch = require("safetensors.torch", "transformers")
-    seen: set[tuple[int, int]] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        tensors[name] = tensor.clone() if key in seen or not tensor.is_contiguous() else tensor
-        seen.add(key)
-    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _hf_rng(rng: Mapping[str, Any]) -> dict[str, Any]:
-    """``RNGState``'s parts as the Trainer's ``rng_state.pth`` holds them."""
-    python = rng["python"]
-    out: dict[str, Any] = {
-        "python": (int(python["version"]), tuple(int(x) for x in python["internal"].tolist()), python["gauss_next"]),
-        "cpu": rng["torch"],
-    }
-    if "numpy" in rng:
-        np = require("numpy", "transformers")
-        n = rng["numpy"]
-        out["numpy"] = (n["name"], np.asarray(n["keys"].tolist(), dtype=np.uint32), int(n["pos"]),
-                        int(n["has_gauss"]), float(n["cached_gaussian"]))
-    if "cuda" in rng:
-        cuda = list(rng["cuda"])
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        out["cuda"] = cuda if distributed else cuda[torch.cuda.current_device() if torch.cuda.is_available() else 0]
-    return out

@@ -17,11 +17,23 @@ two epochs (6 optimizer steps an epoch):
   patience counter, the best step and metric, the log history) is what the Trainer writes.
 - ``save_only_model=True`` saves the model and the trainer state only, as the Trainer does.
 - ``resume_path`` of an empty root is None; of a root of another kind, a clear error.
+- The resumed run's ``TrainerState`` is the uninterrupted run's (the callbacks' states as the
+  Trainer records them at its saves; ``best_model_checkpoint`` the same folder, written again
+  when the resume finds it gone).
+- ``best_model_checkpoint`` is a folder of the best step that ``from_pretrained`` reads, where
+  the Trainer's own is ``checkpoint-N``; the Trainer's ``load_best_model_at_end`` loads it.
+- ``resume_path`` folders have the Trainer's ``config.json``, ``generation_config.json`` and
+  ``training_args.bin``.
+- A ``train()`` that starts before the root's newest step (a fresh run, a resume from an older
+  step) is a ``StepOrderError`` before its first step, the root untouched; with
+  ``discard_newer=True`` the newer checkpoints go and the run saves on from its step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +54,7 @@ from transformers import (  # noqa: E402
 )
 
 import mpckpt  # noqa: E402
-from mpckpt.errors import StateError  # noqa: E402
+from mpckpt.errors import StateError, StepOrderError  # noqa: E402
 from mpckpt.integrations.transformers import MpckptCallback, resume_path  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -108,8 +120,9 @@ def hf_folders(t: Trainer) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) if out.exists() else []
 
 
-# evaluating at each save draws from the generators after the Trainer's save point: the snapshot must too
-EVALUATING = {"eval_strategy": "steps", "eval_steps": 3}
+# evaluating at each save draws from the generators after the Trainer's save point: the snapshot must too;
+# the best step is tracked (best_model_checkpoint)
+EVALUATING = {"eval_strategy": "steps", "eval_steps": 3, "metric_for_best_model": "eval_loss"}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +152,8 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path: Path, whole: Recordi
 
     path = resume_path(root)
     assert path is not None and Path(path).name == f"checkpoint-{saved}"
+    if crash_after == 7:  # resumed on another machine: the best step's folder is not there
+        shutil.rmtree(Path(first.args.output_dir) / "mpckpt-best")
     second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1)], **evaluating)
     second.train(resume_from_checkpoint=path)
 
@@ -152,12 +167,28 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path: Path, whole: Recordi
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert second.state.global_step == whole.state.global_step == MAX_STEPS
+    assert_same_trainer_state(whole, second)
     with mpckpt.Checkpointer(root, read_only=True) as ckpt:
         assert ckpt.steps() == [3, 6, 9, 10]
         final = ckpt.load()
-    assert set(final) == {"format", "model", "optimizer", "scheduler", "rng", "trainer_state"}
+    assert set(final) == {"format", "model", "optimizer", "scheduler", "rng", "trainer_state", "config",
+                          "generation_config", "training_args"}
     for name in a:
         assert torch.equal(final["model"][name], a[name]), name
+
+
+def assert_same_trainer_state(whole: Trainer, resumed: Trainer) -> None:
+    """As the Trainer's own resume tests compare them: everything but the timings of the log."""
+    a, b = dataclasses.asdict(whole.state), dataclasses.asdict(resumed.state)
+    # the summary's train_loss is over the steps of that train() call only
+    assert untimed(a.pop("log_history"), "train_loss") == untimed(b.pop("log_history"), "train_loss")
+    best_a, best_b = a.pop("best_model_checkpoint"), b.pop("best_model_checkpoint")
+    assert a == b
+    assert whole.state.best_global_step is not None
+    assert best_a is not None and best_b is not None  # the same folder under each run's output_dir
+    assert Path(best_a).relative_to(whole.args.output_dir) == Path(best_b).relative_to(resumed.args.output_dir)
+    assert Path(best_b).name == f"checkpoint-{resumed.state.best_global_step}"
+    assert (Path(best_b) / "model.safetensors").is_file()
 
 
 def test_the_resume_would_differ_without_the_rng_state(tmp_path: Path, whole: Recording) -> None:
@@ -195,6 +226,18 @@ def test_saves_at_the_trainers_own_steps(tmp_path: Path, strategy: str) -> None:
         assert ckpt.steps() == expected
     assert ours.state.best_global_step == hf.state.best_global_step
     assert ours.state.best_metric == hf.state.best_metric
+    # resume_path's folder has what the Trainer writes beside the weights, as it writes it
+    theirs = Path(hf.args.output_dir) / f"checkpoint-{expected[-1]}"
+    path = resume_path(root, expected[-1], directory=tmp_path / "resume")
+    assert path is not None
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((Path(path) / name).read_text()) == json.loads((theirs / name).read_text()), name
+    args = torch.load(Path(path) / "training_args.bin", weights_only=False)
+    assert isinstance(args, TrainingArguments) and args.output_dir == ours.args.output_dir
+    assert hf.args.to_dict() == {**args.to_dict(), "output_dir": hf.args.output_dir}
+    loaded = GPT2LMHeadModel.from_pretrained(path)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, mpckpt.load(root, expected[-1])["model"][name]), name
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path: Path) -> None:
@@ -224,6 +267,33 @@ def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
     with mpckpt.Checkpointer(root, read_only=True) as ckpt:
         assert ckpt.steps() == [best, MAX_STEPS]  # the newest and the best, as the Trainer's rotation keeps
         assert ckpt.checkpoint(best).metrics["eval_loss"] == hf.state.best_metric
+    # best_model_checkpoint: the best step's folder, as the Trainer's (there: output_dir/checkpoint-N)
+    assert hf.state.best_model_checkpoint == str(Path(hf.args.output_dir) / f"checkpoint-{best}")
+    path = ours.state.best_model_checkpoint
+    assert path == str(Path(ours.args.output_dir) / "mpckpt-best" / f"checkpoint-{best}")
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == [f"checkpoint-{best}"]  # the best one only
+    assert sorted(p.name for p in Path(path).iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "trainer_state.json", "training_args.bin"]
+    loaded = GPT2LMHeadModel.from_pretrained(path)
+    for name, tensor in GPT2LMHeadModel.from_pretrained(hf.state.best_model_checkpoint).state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    saved = json.loads(mpckpt.load(root, MAX_STEPS)["trainer_state"])
+    assert saved["best_model_checkpoint"] == path  # in the checkpoint's trainer_state.json too, as the Trainer's
+
+
+def test_best_model_dir_false_leaves_best_model_checkpoint_none(tmp_path: Path) -> None:
+    """Without the folder, load_best_model_at_end still ends with the best weights (read from mpckpt)."""
+    extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True,
+                                 metric_for_best_model="eval_loss", learning_rate=3e-2)
+    root = tmp_path / "ckpt"
+    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1, best_model_dir=False)], **extra)
+    ours.train()
+    best = ours.state.best_global_step
+    assert best is not None and best != MAX_STEPS
+    assert ours.state.best_model_checkpoint is None
+    assert not (Path(ours.args.output_dir) / "mpckpt-best").exists()
+    for name, tensor in mpckpt.load(root, best)["model"].items():
+        assert torch.equal(weights(ours)[name], tensor), name
 
 
 def test_resume_path_refuses_other_checkpoints(tmp_path: Path) -> None:
@@ -255,9 +325,10 @@ def test_early_stopping_state_is_the_trainers(tmp_path: Path) -> None:
     assert untimed(saved["log_history"]) == untimed(theirs["log_history"])
 
 
-def untimed(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Log entries without the wall-clock figures (they differ from run to run)."""
-    return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in history]
+def untimed(history: list[dict[str, Any]], *also: str) -> list[dict[str, Any]]:
+    """Log entries without the wall-clock figures (they differ from run to run), nor the keys ``also``."""
+    return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k and k not in also}
+            for e in history]
 
 
 def test_save_only_model(tmp_path: Path) -> None:
@@ -265,9 +336,67 @@ def test_save_only_model(tmp_path: Path) -> None:
     t = trainer(tmp_path, [MpckptCallback(root, workers=1)], max_steps=3, save_only_model=True)
     t.train()
     state = mpckpt.load(root)
-    assert set(state) == {"format", "model", "trainer_state"}
+    assert set(state) == {"format", "model", "trainer_state", "config", "generation_config", "training_args"}
     path = resume_path(root, directory=tmp_path / "resume")
     assert path is not None
-    assert sorted(p.name for p in Path(path).iterdir()) == ["model.safetensors", "trainer_state.json"]
+    assert sorted(p.name for p in Path(path).iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "trainer_state.json", "training_args.bin"]
     for name, tensor in weights(t).items():
         assert torch.equal(state["model"][name], tensor), name
+
+
+def test_a_fresh_run_into_a_used_root_is_refused_or_discards(tmp_path: Path) -> None:
+    """A second, fresh train() into a root that holds a run: nothing trains and nothing is lost;
+    with discard_newer=True the old run's checkpoints go and the new run's are saved."""
+    root = tmp_path / "ckpt"
+    first = trainer(tmp_path / "a", [MpckptCallback(root, workers=1)], max_steps=6)
+    first.train()
+    second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1)], max_steps=6, learning_rate=5e-3)
+    with pytest.raises(StepOrderError) as raised:
+        second.train()
+    message = str(raised.value)
+    for part in (str(root), "up to step 6", "a fresh run", "resume_path(root)", "discard_newer=True", "a new root"):
+        assert part in message, part
+    assert second.losses == {}  # refused before the first step
+    with mpckpt.Checkpointer(root, read_only=True) as ckpt:
+        assert ckpt.steps() == [3, 6]
+        kept = ckpt.load(6)["model"]
+    for name, tensor in weights(first).items():
+        assert torch.equal(kept[name], tensor), name
+
+    third = trainer(tmp_path / "b", [MpckptCallback(root, workers=1, discard_newer=True)], max_steps=6,
+                    learning_rate=5e-3)
+    third.train()
+    with mpckpt.Checkpointer(root, read_only=True) as ckpt:
+        assert ckpt.steps() == [3, 6]
+        new = ckpt.load(6)["model"]
+    assert any(not torch.equal(new[n], t) for n, t in weights(first).items())
+    for name, tensor in weights(third).items():
+        assert torch.equal(new[name], tensor), name
+
+
+def test_a_resume_from_an_older_step_is_refused_or_discards_the_newer(tmp_path: Path) -> None:
+    """resume_path(root, step=3) of a root that holds steps 3..10: refused (the root untouched);
+    with discard_newer=True the steps after 3 go and the resumed run (other settings) saves its own."""
+    root = tmp_path / "ckpt"
+    first = trainer(tmp_path / "a", [MpckptCallback(root, workers=1)])
+    first.train()
+    path = resume_path(root, 3)
+    assert path is not None
+    changed = dict(max_grad_norm=1e-3)  # (the learning rate would come back with the optimizer and scheduler)
+    second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1)], **changed)
+    with pytest.raises(StepOrderError, match=r"up to step 10 .*a resume from step 3.*discard_newer=True"):
+        second.train(resume_from_checkpoint=path)
+    assert second.losses == {}
+    with mpckpt.Checkpointer(root, read_only=True) as ckpt:
+        assert ckpt.steps() == [3, 6, 9, 10]
+
+    third = trainer(tmp_path / "b", [MpckptCallback(root, workers=1, discard_newer=True)], **changed)
+    third.train(resume_from_checkpoint=path)
+    assert sorted(third.losses) == list(range(4, MAX_STEPS + 1))
+    with mpckpt.Checkpointer(root, read_only=True) as ckpt:
+        assert ckpt.steps() == [3, 6, 9, 10]
+        last = ckpt.load(10)["model"]
+    for name, tensor in weights(third).items():
+        assert torch.equal(last[name], tensor), name
+    assert any(not torch.equal(last[n], t) for n, t in weights(first).items())

@@ -1,0 +1,219 @@
+"""The Hugging Face Trainer's folder layout, written from a state ``MpckptCallback`` saved.
+
+This module owns the bytes of a ``checkpoint-N`` folder as the Trainer writes and reads it
+(``model.safetensors``, ``config.json``, ``generation_config.json``, ``training_args.bin``,
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``), and what of the
+model and the arguments goes into a save so that such a folder can be written later from storage
+alone (``model_files``), and the best checkpoint's folder that ``best_model_checkpoint`` names
+(``BestFolder``: written by a thread from storage once the step is committed).
+``transformers.py`` decides when; nothing here imports transformers.
+
+Invariant: a folder appears whole or not at all (written beside it under a temporary name, then
+renamed), so a reader never finds half of one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import io
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mpckpt import Checkpointer, SaveFuture
+from mpckpt.errors import CheckpointNotFoundError, MpckptError
+from mpckpt.integrations import require
+
+log = logging.getLogger("mpckpt")
+
+# the keys of a save that hold the model's and the run's description, not training state
+CONFIG, GENERATION_CONFIG, TRAINING_ARGS = "config", "generation_config", "training_args"
+FOLDER = re.compile(r"^\.?checkpoint-(\d+)(\..*)?$")  # a checkpoint folder, or one being written (write_folder)
+
+
+def model_files(model: Any, args: Any) -> dict[str, Any]:
+    """What ``save_pretrained`` and the Trainer write beside the weights, taken once per ``train()``:
+    ``config.json`` and ``generation_config.json`` as text, ``training_args.bin`` as the bytes of
+    ``torch.save(args)`` (a uint8 tensor: stored as data, never unpickled by mpckpt)."""
+    out: dict[str, Any] = {}
+    config: Any = getattr(model, "config", None)
+    if hasattr(config, "to_json_string") and not getattr(model, "_hf_peft_config_loaded", False):
+        config = copy.deepcopy(config)
+        dtype = getattr(model, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            config.dtype = str(dtype).split(".")[1]  # as save_pretrained records it
+        config.architectures = [type(model).__name__]
+        out[CONFIG] = config.to_json_string(use_diff=True)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        out[GENERATION_CONFIG] = generation.to_json_string(use_diff=True, keys_to_pop=["compile_config"])
+    buffer = io.BytesIO()
+    torch.save(args, buffer)
+    out[TRAINING_ARGS] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return out
+
+
+def write_folder(state: Mapping[str, Any], folder: str, *, training: bool = True,
+                 processing_class: Any = None) -> None:
+    """Write ``state`` (a save of ``MpckptCallback``, as ``mpckpt.load`` returns it) as the
+    Trainer's ``folder``, replacing one that is there.
+
+    ``training=False`` leaves out the optimizer, the scheduler and the generators (what
+    ``Trainer.save_model`` writes, and the trainer state). ``processing_class`` (a tokenizer ...)
+    is saved into it too, as the Trainer does.
+    """
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(folder)}.{os.getpid()}.{secrets.token_hex(4)}")
+    os.makedirs(staging)
+    try:
+        _write_model(state["model"], os.path.join(staging, "model.safetensors"))
+        for key, name in ((CONFIG, "config.json"), (GENERATION_CONFIG, "generation_config.json")):
+            if key in state:
+                with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+                    f.write(str(state[key]))
+        if TRAINING_ARGS in state:
+            with open(os.path.join(staging, "training_args.bin"), "wb") as f:
+                f.write(state[TRAINING_ARGS].numpy().tobytes())
+        if training and "optimizer" in state:
+            torch.save(state["optimizer"], os.path.join(staging, "optimizer.pt"))
+            torch.save(state["scheduler"], os.path.join(staging, "scheduler.pt"))
+        if training and "rng" in state:
+            torch.save(_hf_rng(state["rng"]), os.path.join(staging, "rng_state.pth"))
+        with open(os.path.join(staging, "trainer_state.json"), "w", encoding="utf-8") as f:
+            json.dump(json.loads(state["trainer_state"]), f, indent=2, sort_keys=True)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(staging)
+        old = None
+        if os.path.lexists(folder):  # the one there goes aside first: a folder is never half replaced
+            old = staging + ".old"
+            os.replace(folder, old)
+        os.replace(staging, folder)  # INVARIANT: the folder appears whole
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_model(weights: Mapping[str, torch.Tensor], path: str) -> None:
+    """``model.safetensors`` as the Trainer loads it; tied weights written under each name."""
+    safetensors_torch = require("safetensors.torch", "transformers")
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        tensors[name] = tensor.clone() if key in seen or not tensor.is_contiguous() else tensor
+        seen.add(key)
+    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _hf_rng(rng: Mapping[str, Any]) -> dict[str, Any]:
+    """``RNGState``'s parts as the Trainer's ``rng_state.pth`` holds them."""
+    python = rng["python"]
+    out: dict[str, Any] = {
+        "python": (int(python["version"]), tuple(int(x) for x in python["internal"].tolist()), python["gauss_next"]),
+        "cpu": rng["torch"],
+    }
+    if "numpy" in rng:
+        np = require("numpy", "transformers")
+        n = rng["numpy"]
+        out["numpy"] = (n["name"], np.asarray(n["keys"].tolist(), dtype=np.uint32), int(n["pos"]),
+                        int(n["has_gauss"]), float(n["cached_gaussian"]))
+    if "cuda" in rng:
+        cuda = list(rng["cuda"])
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        out["cuda"] = cuda if distributed else cuda[torch.cuda.current_device() if torch.cuda.is_available() else 0]
+    return out
+
+
+class BestFolder:
+    """The best checkpoint's folder in the Trainer's layout, written by one thread from storage.
+
+    ``make(step)`` asks for it once ``step`` is committed; a newer request supersedes one not yet
+    started; once written, the older best folders in ``dir`` are deleted. ``settle`` waits for
+    what was asked, then points ``best_model_checkpoint`` at the newest folder that exists.
+    """
+
+    def __init__(self, directory: str | None = None, processing_class: Any = None) -> None:
+        self.dir = directory
+        self.processing_class = processing_class
+        self.step: int | None = None  # the newest asked for
+        self.made: str | None = None  # the newest written
+        self._jobs: list[concurrent.futures.Future[None]] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def path(self, step: int) -> str:
+        assert self.dir is not None
+        return os.path.join(self.dir, f"checkpoint-{step}")
+
+    def make(self, step: int, checkpointer: Checkpointer, saving: SaveFuture | None) -> None:
+        if self.dir is None or step == self.step:
+            return
+        self.step = step
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-best-model")
+        committed = threading.Event()
+        if saving is None:
+            committed.set()
+        else:
+            saving.add_done_callback(lambda _f: committed.set())  # (result() would take its error from the run)
+        self._jobs.append(self._pool.submit(self._write, step, checkpointer, saving, committed))
+
+    def _write(self, step: int, checkpointer: Checkpointer, saving: SaveFuture | None,
+               committed: threading.Event) -> None:
+        committed.wait()
+        if step != self.step or saving is not None and saving.stats.status != "committed":
+            return  # a newer best came meanwhile; or the save failed (the Checkpointer raises that)
+        started = time.perf_counter()
+        try:
+            state = checkpointer.load(step)
+        except CheckpointNotFoundError:
+            log.warning("mpckpt: the best checkpoint (step %d) was deleted before its folder was written "
+                        "(keep= without KeepBest?); best_model_checkpoint stays %s", step, self.made)
+            return
+        folder = self.path(step)
+        write_folder(state, folder, training=False, processing_class=self.processing_class)
+        self.made = folder
+        assert self.dir is not None
+        for name in os.listdir(self.dir):  # the older best folders, and any left half written by a crash
+            if FOLDER.match(name) and name != os.path.basename(folder):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        log.info("mpckpt: the best checkpoint (step %d) written to %s for the Trainer (%.0f ms)", step, folder,
+                 (time.perf_counter() - started) * 1e3)
+
+    def settle(self, state: Any, *, raise_errors: bool) -> None:
+        """Wait for the folders asked for; with ``raise_errors``, raise the first that failed."""
+        concurrent.futures.wait(self._jobs)
+        if self.step is not None and state.best_model_checkpoint == self.path(self.step) \
+                and not os.path.isdir(state.best_model_checkpoint):
+            state.best_model_checkpoint = self.made  # its save was not committed: the previous best stays
+        failed = [job for job in self._jobs if job.exception() is not None]
+        self._jobs = failed  # kept until raised
+        if failed and raise_errors:
+            self._jobs = []
+            error = failed[0].exception()
+            raise MpckptError(f"MpckptCallback: could not write the best checkpoint's folder in {self.dir} (the "
+                              f"checkpoint itself is committed in the root): {error}") from error
+
+    def stop(self) -> None:
+        """Wait for the folders asked for (a failure not raised yet is logged), stop the thread."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for job in self._jobs:
+            if job.exception() is not None:
+                log.warning("mpckpt: could not write the best checkpoint's folder in %s: %r", self.dir,
+                            job.exception())
+        self._jobs = []
