@@ -37,8 +37,9 @@ from mpckpt.cli._common import (
     shared_bytes,
     total_bytes,
 )
+from mpckpt.errors import MpckptError
 from mpckpt.format.manifest import Manifest
-from mpckpt.format.names import step_of
+from mpckpt.format.names import is_aside_name, step_of
 
 # the table's first line; each name stands over its column (SIZE: the checkpoint's own folder)
 HEADER = f"{'STEP':>10}  {'TIME (UTC)':<25}  {'KIND':<9} {'SIZE':>14}  {'FILES':>10}  METRICS"
@@ -56,7 +57,18 @@ def run(args: argparse.Namespace) -> int:
             _say_row(row)
     for step in sorted(problems):
         complain(f"step {step}: {problems[step]}")
+    for name in _set_aside(backend):
+        complain(f"set aside: {name}/ (a damaged checkpoint restore(fallback=True) went back past; no longer a "
+                 "checkpoint, kept for a look: delete that folder when done)")
     return 1 if problems else 0
+
+
+def _set_aside(backend: Any) -> list[str]:
+    """The folders of damaged checkpoints a run moved aside (``format.names.aside_name``)."""
+    try:
+        return [name for name in backend.list_names() if is_aside_name(name)]
+    except MpckptError:
+        return []  # the listing above already said what is wrong with the root
 
 
 def listing(committed: dict[int, Manifest], problems: dict[int, Exception]) -> list[dict[str, Any]]:

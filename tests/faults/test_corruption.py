@@ -16,6 +16,8 @@ in half), a flipped byte in ``skeleton.json``. Then:
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -241,5 +243,9 @@ def test_fallback_sets_the_damaged_step_aside_and_the_run_goes_on(committed, kin
     with mpckpt.Checkpointer(committed, workers=1) as ckpt:  # a later open leaves the set-aside folder alone
         assert ckpt.steps() == [0, 1, DAMAGED, DAMAGED + 1]
     assert aside[0].exists()
+    listed = subprocess.run([sys.executable, "-m", "mpckpt.cli", "ls", str(committed)], capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert f"set aside: {aside[0].name}/" in listed.stderr  # mpckpt ls says it is there
 
 
