@@ -3,10 +3,13 @@
     python examples/transformers_example.py                      # trains 12 steps, saving every 4
     python examples/transformers_example.py --stop-after 6       # stops after step 6 (a "crash")...
     python examples/transformers_example.py                      # ...and this run resumes from step 4
+    python examples/transformers_example.py --fresh              # from step 0 again: the old checkpoints go
 
 The only changes to a Trainer script: the callback, and ``resume_path(root)`` as
 ``resume_from_checkpoint`` (``None`` while the root is empty, so the same line starts the first
-run). A tiny GPT-2 is built from a config (nothing is downloaded); the data is random tokens.
+run). A fresh run into a root that holds checkpoints is refused before its first step (steps only
+increase); ``--fresh`` passes ``discard_newer=True``, which deletes them. A tiny GPT-2 is built
+from a config (nothing is downloaded); the data is random tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main() -> None:
                         help="where the checkpoints go: a folder or a URL (s3://, az://, ...)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stop-after", type=int, default=None)
+    parser.add_argument("--fresh", action="store_true",
+                        help="start from step 0 even if the root holds checkpoints (they are deleted)")
     opts = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
@@ -52,13 +57,14 @@ def main() -> None:
     args = TrainingArguments(output_dir=os.path.join(opts.root, "hf"), max_steps=opts.steps,
                              per_device_train_batch_size=8, learning_rate=1e-3, save_strategy="steps", save_steps=4,
                              save_total_limit=2, logging_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
-    callback = MpckptCallback(os.path.join(opts.root, "ckpt"), workers=1)   # <- the one change
+    callback = MpckptCallback(os.path.join(opts.root, "ckpt"), workers=1,   # <- the one change
+                              discard_newer=opts.fresh)
     callbacks: list[Any] = [callback]
     if opts.stop_after is not None:
         callbacks.append(StopAfter(opts.stop_after))
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
-    start = resume_path(os.path.join(opts.root, "ckpt"))                    # <- and where to resume from
+    start = None if opts.fresh else resume_path(os.path.join(opts.root, "ckpt"))  # <- and where to resume from
     print("starting fresh" if start is None else f"resuming from {start}")
     try:
         trainer.train(resume_from_checkpoint=start)

@@ -54,7 +54,7 @@ from transformers import (  # noqa: E402
 )
 
 import mpckpt  # noqa: E402
-from mpckpt.errors import StateError, StepOrderError  # noqa: E402
+from mpckpt.errors import MpckptError, StateError, StepOrderError  # noqa: E402
 from mpckpt.integrations.transformers import MpckptCallback, resume_path  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -97,7 +97,7 @@ class CrashAt(TrainerCallback):  # type: ignore[misc]
             raise Crash(f"stopped after step {self.step}")
 
 
-def trainer(tmp: Path, callbacks: list[Any], **overrides: Any) -> Recording:
+def trainer(tmp: Path, callbacks: list[Any], *, processing_class: Any = None, **overrides: Any) -> Recording:
     transformers.set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
@@ -108,7 +108,18 @@ def trainer(tmp: Path, callbacks: list[Any], **overrides: Any) -> Recording:
     settings.update(overrides)
     evaluating = settings.get("eval_strategy", "no") != "no"
     return Recording(model=model, args=TrainingArguments(**settings), train_dataset=dataset(N_TRAIN, 1),
-                     eval_dataset=dataset(8, 2) if evaluating else None, callbacks=callbacks)
+                     eval_dataset=dataset(8, 2) if evaluating else None, callbacks=callbacks,
+                     processing_class=processing_class)
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the vocabulary, built here (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                   pad_token="t0", unk_token="t1")
 
 
 def weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -253,10 +264,10 @@ def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
     extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=2, save_steps=2, save_total_limit=1,
                                  load_best_model_at_end=True, metric_for_best_model="eval_loss",
                                  learning_rate=3e-2)  # high enough that the last step is not the best one
-    hf = trainer(tmp_path / "hf", [], **extra)
+    hf = trainer(tmp_path / "hf", [], processing_class=tokenizer(), **extra)
     hf.train()
     root = tmp_path / "ckpt"
-    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1)], **extra)
+    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1)], processing_class=tokenizer(), **extra)
     ours.train()
     best = hf.state.best_global_step
     assert best is not None and best != MAX_STEPS, "the test needs a best step before the last one"
@@ -272,13 +283,25 @@ def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
     path = ours.state.best_model_checkpoint
     assert path == str(Path(ours.args.output_dir) / "mpckpt-best" / f"checkpoint-{best}")
     assert sorted(p.name for p in Path(path).parent.iterdir()) == [f"checkpoint-{best}"]  # the best one only
-    assert sorted(p.name for p in Path(path).iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "trainer_state.json", "training_args.bin"]
+    # the Trainer's folder but the optimizer, scheduler and generators (those resume through resume_path)
+    theirs = {p.name for p in Path(hf.state.best_model_checkpoint).iterdir()}
+    assert {"tokenizer.json", "config.json", "training_args.bin"} <= theirs
+    assert {p.name for p in Path(path).iterdir()} == theirs - {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
     loaded = GPT2LMHeadModel.from_pretrained(path)
     for name, tensor in GPT2LMHeadModel.from_pretrained(hf.state.best_model_checkpoint).state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     saved = json.loads(mpckpt.load(root, MAX_STEPS)["trainer_state"])
     assert saved["best_model_checkpoint"] == path  # in the checkpoint's trainer_state.json too, as the Trainer's
+
+
+def test_a_best_folder_that_cannot_be_written_is_raised_by_train(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    root = tmp_path / "ckpt"
+    extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=3, metric_for_best_model="eval_loss")
+    t = trainer(tmp_path, [MpckptCallback(root, workers=1, best_model_dir=tmp_path / "file" / "best")], **extra)
+    with pytest.raises(MpckptError, match="could not write the best checkpoint's folder"):
+        t.train()
+    assert mpckpt.Checkpointer(root, read_only=True).steps() == [3, 6, 9, 10]  # the checkpoints are committed
 
 
 def test_best_model_dir_false_leaves_best_model_checkpoint_none(tmp_path: Path) -> None:
