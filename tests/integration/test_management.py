@@ -187,3 +187,18 @@ def test_retention_keeps_a_checkpoint_while_this_process_reads_it(tmp_path):
         ckpt.wait()
         assert ckpt.steps() == [3]
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_0000000003"]
+
+
+def test_discard_newer_lets_a_run_that_got_to_a_step_another_way_save_on(tmp_path):
+    """``ckpt.discard_newer(step)``: what a framework's own resume (or a fresh start) needs."""
+    root = tmp_path / "run"
+    with mpckpt.Checkpointer(root, workers=1) as ckpt:
+        for step in range(4):
+            ckpt.save(step, {"w": torch.full((4,), float(step))})
+        assert ckpt.discard_newer(1) == [2, 3]  # waits for the pending saves first
+        assert ckpt.steps() == [0, 1]
+        ckpt.save(2, {"w": torch.full((4,), 20.0)})  # step 2 again, the new branch's
+        with pytest.raises(mpckpt.errors.ConfigError):
+            ckpt.discard_newer(-1)
+    assert mpckpt.load(root)["w"].tolist() == [20.0] * 4
+    assert not (root / "step_0000000003").exists()
