@@ -1,53 +1,53 @@
 """Lightning: ``MpckptCheckpointIO``, a ``CheckpointIO`` plugin that saves through mpckpt.
 
 This module owns the mapping between Lightning's checkpoint *files* and mpckpt *steps*, and
-nothing else; it imports lightning here and only here (``require``).
+when each save runs; it imports lightning here and only here (``require``). What the files
+hold, and how they are read and written, is ``lightning_files``.
 
-``Trainer(plugins=[MpckptCheckpointIO(**checkpointer_options)])``: every ``save_checkpoint``
-is one ASYNC ``Checkpointer.save`` (it returns once the state is copied into shared memory;
-the uploader processes write it). The file Lightning asked for (``epoch=3-step=400.ckpt``,
-``last.ckpt``) becomes a *pointer*: a small JSON file at that path that names the mpckpt root
-and the step(s) it stands for. So everything Lightning does with the path itself works as with
-``torch.save`` files: ``ModelCheckpoint``'s ``_fs.exists`` (version counters), the listing and
-``modified`` times behind ``ckpt_path="last"``, ``save_last="link"`` (a symlink to a pointer),
-``best_model_path`` / ``last_model_path`` and ``ckpt_path=PATH``.
+``Trainer(plugins=[MpckptCheckpointIO(**checkpointer_options)])``. A save made inside the
+Trainer's loops (every ``ModelCheckpoint`` save, a callback's ``trainer.save_checkpoint``) is
+one ASYNC ``Checkpointer.save``: it returns once the state is copied into shared memory, and the
+path Lightning named holds a *pointer* at once (so ``ModelCheckpoint``'s ``exists`` checks,
+version counters, listings and ``save_last="link"`` work as with files). Once the step commits,
+the ``mpckpt-lightning-files`` thread has the checkpoint written from the committed step, in a
+process of its own, and renamed over the pointer: a Lightning checkpoint, as ``torch.save``
+would have written it, for ``load_from_checkpoint`` and ``torch.load`` anywhere. The root stays
+the durable, checksummed store.
+
+A save made anywhere else (``trainer.save_checkpoint`` after ``fit()``, ``on_fit_start`` /
+``on_fit_end`` / ``on_exception`` hooks, the ``ddp_spawn`` hand-back of the weights) has no
+training to overlap with: it is written as ``TorchCheckpointIO`` writes it (``torch.save``,
+atomically) before it returns, and opens nothing. Which is which is read from the call stack
+(``_called_from``): whether a Lightning loop is on it.
 
 The mapping, per file:
 
-* the pointer lists *candidates*, newest first: ``{"root", "step", "save_id"}``. A save adds
-  its step in front at once (so the file exists when ``save_checkpoint`` returns); after its
-  commit, the older candidates it replaced (a ``last.ckpt`` saved again) are dropped and their
-  checkpoints deleted. A crash before the commit leaves the previous candidate, which is what
-  the file held before (as an atomic ``torch.save`` would).
-* ``save_id`` is a random number stored as the checkpoint's metric ``lightning_save_id``: a
-  candidate counts only if the committed checkpoint of its step carries it, so a step number
-  that a later run reuses (after a crash) is never mistaken for the one a pointer meant.
-* ``remove_checkpoint(path)`` removes the pointer at once and deletes its checkpoints: a
-  committed one now (or, if mpckpt refuses because it is the newest while saves are pending,
-  as soon as it may), a pending one right after its commit, never racing the save.
-* ``load_checkpoint(path)`` waits for a candidate still being saved by this process, then loads
-  the newest candidate that is committed (``mpckpt.load``; any rank, no process group needed).
-  A path that is not a pointer is loaded with ``torch.load`` (checkpoints from before mpckpt).
+* a save adds its step in front of the pointer's list (a real file already at the path stays
+  until the new one replaces it); a crash before the commit leaves the previous candidates.
+* ``save_id``: a random number, the checkpoint's metric ``lightning_save_id``: a candidate
+  counts only if the committed checkpoint of its step carries it.
+* each step's metric ``lightning_file`` names its file; once a file is written from step N,
+  the root's older steps of that file are deleted, and ``remove_checkpoint(path)`` deletes all
+  of its steps (a committed one now, a pending one right after its commit, never racing an
+  upload or a file being written). The root keeps exactly the steps the files hold.
+* ``load_checkpoint(path)``: a checkpoint file as ``TorchCheckpointIO`` loads it; a pointer:
+  the newest committed step it names (waiting for this process's pending saves, and for another
+  live process's), read with ``mpckpt.load`` on any rank.
 
-mpckpt steps are a counter per root (two saves at one global step are two checkpoints, as
-two files would be); the checkpoint's metrics carry ``lightning_global_step`` and
-``lightning_epoch`` (``mpckpt ls`` shows them). The default root is ``.mpckpt`` inside the
-checkpoint's folder (one root per ``ModelCheckpoint`` dirpath); ``root=`` sends every save to
-one root (a URL too). Lightning 2.x calls the plugin on global rank 0 only (DDP, and FSDP /
-ModelParallel with full state dicts; their sharded checkpoints bypass ``CheckpointIO``), so the
-Checkpointer is opened with ``process_group=False`` on the rank that saves; every rank loads.
-
-``teardown()`` (end of fit/validate/test) waits for every pending commit, finishes the
-pointers and deletions, closes the Checkpointers and raises what failed; a background failure
-is also raised by the next ``save_checkpoint`` / ``remove_checkpoint`` / ``load_checkpoint``.
+``teardown()`` (end of fit/validate/test) waits for every pending commit and file, finishes
+deletions, stops the thread and processes, closes the Checkpointers and raises what failed; a
+background failure is also raised by the next ``save_checkpoint`` / ``remove_checkpoint`` /
+``load_checkpoint``. A plugin pickles as a fresh one (``ddp_spawn``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,65 +57,61 @@ from mpckpt.integrations import require
 _lightning = require("lightning", "lightning")
 
 from lightning.fabric.plugins import CheckpointIO  # noqa: E402
-from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem  # noqa: E402
+from lightning.fabric.utilities.cloud_io import _load as pl_load  # noqa: E402
 
 import mpckpt  # noqa: E402
-from mpckpt.config import UploadMode  # noqa: E402
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, StepOrderError, add_note  # noqa: E402
+from mpckpt.config import DEFAULT_TIMEOUT_S, UploadMode  # noqa: E402
+from mpckpt.errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    ConfigError,
+    LockedError,
+    MpckptError,
+    StepOrderError,
+    WaitTimeoutError,
+    add_note,
+)
+from mpckpt.integrations import lightning_files as files  # noqa: E402
+from mpckpt.integrations.lightning_files import Candidate, read_pointer  # noqa: E402
 
 __all__ = ["MpckptCheckpointIO", "read_pointer"]
 
 log = logging.getLogger("mpckpt")
 
-POINTER_KEY = "mpckpt_lightning"
-POINTER_VERSION = 1
 DEFAULT_ROOT_NAME = ".mpckpt"
-SAVE_ID_METRIC = "lightning_save_id"
 # options that would fight what Lightning decides (what to keep, when to save, who saves)
 _REFUSED = ("keep", "keep_last", "trigger", "read_only", "process_group")
+_READ_OPTIONS = ("storage_options", "allow_pickle", "timeout_s")
+_LOOPS = ("lightning.pytorch.loops", "pytorch_lightning.loops")
+_LIGHTNING = ("lightning.pytorch.", "pytorch_lightning.")
 
 
-@dataclass
-class _Candidate:
-    root: str       # as resolved for this process (absolute path or URL)
-    step: int
-    save_id: int
+def _called_from() -> str:
+    """``"loop"`` inside a Trainer's loops, ``"trainer"`` elsewhere in Lightning (after ``fit``,
+    its setup/teardown hooks, launchers), ``""`` for a direct call (Fabric, a test)."""
+    frame = sys._getframe(2)
+    where = ""
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if module.startswith(_LOOPS):
+            return "loop"
+        if module.startswith(_LIGHTNING):
+            where = "trainer"
+        frame = frame.f_back  # type: ignore[assignment]
+    return where
 
 
-@dataclass
-class _Pending:
+@dataclass(eq=False)
+class _Save:
+    """One snapshot save of a file, until its file is written (or it failed, or nobody wants it)."""
+
     path: str
-    cand: _Candidate
-    future: Any     # mpckpt.SaveFuture
-
-
-def _is_url(text: str) -> bool:
-    return "://" in text
-
-
-def _join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if _is_url(folder) else os.path.join(folder, name)
-
-
-def _dirname(path: str) -> str:
-    return path.rstrip("/").rpartition("/")[0] if _is_url(path) else os.path.dirname(path)
-
-
-def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The pointer at ``path`` as stored (``root`` as written), or None when ``path`` is not one."""
-    text = os.fspath(path)
-    fs = get_filesystem(text)
-    if not fs.exists(text) or fs.isdir(text):
-        return None
-    with fs.open(text, "rb") as f:
-        head = f.read(1 << 20)
-    if not head.lstrip().startswith(b"{"):
-        return None
-    try:
-        data = json.loads(head)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and data.get(POINTER_KEY) == POINTER_VERSION else None
+    cand: Candidate
+    future: Any            # mpckpt.SaveFuture
+    ckpt: Any              # the root's writer Checkpointer
+    pointed: bool          # the path holds a pointer naming it (False: a checkpoint file stays until replaced)
+    doomed: bool = False   # its file was removed or saved over meanwhile: delete the step once committed
+    finished: bool = False
 
 
 class MpckptCheckpointIO(CheckpointIO):
@@ -134,31 +130,49 @@ class MpckptCheckpointIO(CheckpointIO):
             raise ConfigError(f"MpckptCheckpointIO does not take {', '.join(refused)}: ModelCheckpoint(save_top_k=..., "
                               "every_n_train_steps=...) decides what to keep and when to save, and Lightning which "
                               "rank saves")
-        self.root = None if root is None else (os.fspath(root) if _is_url(os.fspath(root))
-                                               else os.path.abspath(os.fspath(root)))
+        self.root = None if root is None else files.norm(root)
         self.options = dict(checkpointer_options)
-        self._open: dict[str, mpckpt.Checkpointer] = {}
-        self._next_step: dict[str, int] = {}
-        self._paths: dict[str, list[_Candidate]] = {}   # pointer files this process wrote, as written
-        self._pending: list[_Pending] = []              # in save order (mpckpt commits in that order)
-        self._doomed: set[tuple[str, int]] = set()      # pending saves whose file was removed meanwhile
-        self._deletions: list[tuple[str, int]] = []     # committed checkpoints to delete when mpckpt lets us
         self.stats: dict[str, mpckpt.CheckpointerStats] = {}  # per root: every save's figures (kept after close)
+        self._next_step: dict[str, int] = {}  # per root (kept after close: steps only increase)
+        self._start()
+
+    def _start(self) -> None:
+        """What a plugin holds while it saves: nothing yet (and again after ``teardown``, or unpickled)."""
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._open: dict[str, mpckpt.Checkpointer] = {}
+        self._saves: list[_Save] = []                   # unfinished, in save order (mpckpt commits in that order)
+        self._sweeps: list[tuple[str, str, int]] = []   # (root, file, step): delete the file's steps before step
+        self._deletions: list[tuple[str, int]] = []     # committed steps to delete when mpckpt lets us
+        self._failures: list[BaseException] = []
+        self._files = files.FileWriter(self._file_job, self._file_done)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root, "options": self.options, "stats": self.stats, "_next_step": self._next_step}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
 
     # -- Lightning's CheckpointIO --------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Snapshot ``checkpoint`` (ASYNC: returns after mpckpt's copy) and point ``path`` at it."""
+        """Inside the loops: snapshot ``checkpoint`` (returns after mpckpt's copy); the file follows
+        the commit. Elsewhere: write the file now, as ``TorchCheckpointIO`` does."""
         if storage_options is not None:
             raise TypeError("MpckptCheckpointIO.save_checkpoint takes no storage_options; pass them once as "
                             "MpckptCheckpointIO(storage_options=...) (they go to the mpckpt root)")
+        outside = _called_from() == "trainer"
         self._settle(wait=False)
-        path = self._norm(path)
+        path = files.norm(path)
+        if outside:
+            self._save_now(checkpoint, path)
+            return
         root = self._root_for(path)
         fresh = root not in self._open
         ckpt = self._writer(root)
         step = self._next_step[root]
-        cand = _Candidate(root, step, secrets.randbits(48))  # never the user's `random` state
-        metrics = {SAVE_ID_METRIC: cand.save_id}
+        cand = Candidate(root, step, secrets.randbits(48))  # never the user's `random` state
+        metrics: dict[str, Any] = {files.SAVE_ID_METRIC: cand.save_id, files.FILE_METRIC: files.file_metric(root, path)}
         for key, name in (("global_step", "lightning_global_step"), ("epoch", "lightning_epoch")):
             value = checkpoint.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -172,77 +186,132 @@ class MpckptCheckpointIO(CheckpointIO):
             raise
         self._next_step[root] = step + 1
         assert future is not None  # no trigger: every save saves
-        self._pending.append(_Pending(path, cand, future))
-        self._write_pointer(path, [cand, *self._candidates(path)], checkpoint)
+        with self._lock:
+            pointer = read_pointer(path)
+            save = _Save(path, cand, future, ckpt, pointed=pointer is not None or not files.exists(path))
+            if save.pointed:
+                older = [] if pointer is None else files.candidates(path, pointer)
+                files.write_pointer(path, [cand, *older], epoch=checkpoint.get("epoch"),
+                                    global_step=checkpoint.get("global_step"))
+            self._saves.append(save)
+        future.add_done_callback(lambda _f, s=save: self._files.submit(s))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The state ``path`` points at (waiting for it if this process is still saving it)."""
+        """The checkpoint at ``path``; for a pointer, the step it names (waiting for a pending save)."""
         self._settle(wait=False)
-        text = self._norm(path)
-        fs = get_filesystem(text)
-        if not fs.exists(text):
+        text = files.norm(path)
+        if not get_filesystem(text).exists(text):
             raise FileNotFoundError(f"Checkpoint file not found: {text}")
         pointer = read_pointer(text)
-        if pointer is None:  # a torch.save checkpoint (written before switching to mpckpt)
-            import torch
-
-            with fs.open(text, "rb") as f:
-                return torch.load(f, map_location=map_location,  # type: ignore[no-any-return]
-                                  weights_only=True if weights_only is None else weights_only)
-        tried = []
-        for cand in self._parse(text, pointer):
-            state = self._load_candidate(cand)
+        if pointer is not None:
+            names = set(files.candidates(text, pointer))
+            for save in [s for s in self._saves if s.cand in names]:
+                save.future.exception(self._timeout_s())  # ours, still being saved: its commit (or failure)
+            opts = {k: v for k, v in self.options.items() if k in ("storage_options", "allow_pickle")}
+            state = files.load_pointed(text, pointer, wait_s=self._timeout_s(), readers=self._open, **opts)
             if state is not None:
+                if not isinstance(state, dict):
+                    raise ConfigError(f"{text} points at a checkpoint that is not a Lightning checkpoint dict")
                 return _to_location(state, map_location)
-            tried.append(f"step {cand.step} of {cand.root}")
-        raise FileNotFoundError(f"{text} points at no committed mpckpt checkpoint (tried {', '.join(tried) or 'none'}): "
-                                "its save never committed (the run stopped before) or the checkpoint was deleted")
+        return pl_load(text, map_location=map_location, weights_only=weights_only)  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the pointer now; delete its checkpoints now if committed, else right after their commit."""
+        """Remove the file now; delete its steps now if committed, else right after their commit."""
+        outside = _called_from() == "trainer"
         self._settle(wait=False)
-        text = self._norm(path)
-        if not _is_url(text) and os.path.islink(text):  # save_last="link": the link only, never its target
+        text = files.norm(path)
+        if not files.is_url(text) and os.path.islink(text):  # save_last="link": the link only, never its target
             os.remove(text)
             return
-        cands = self._candidates(text)
-        fs = get_filesystem(text)
-        if fs.exists(text):
-            fs.rm(text)
-        self._paths.pop(text, None)
-        for cand in cands:
-            self._drop(cand)
-        self._delete_what_we_may()
+        self._forget(text, now=outside, remove=True)
 
     def teardown(self) -> None:
-        """Wait for every pending commit, finish pointers and deletions, close; raise what failed."""
+        """Wait for every pending commit and file, finish deletions, stop, close; raise what failed."""
         first: BaseException | None = None
         try:
             self._settle(wait=True)
         except BaseException as e:  # still finish the others and close
             first = e
-            try:
-                self._settle(wait=True)
-            except BaseException:
-                pass
+        self._files.close()
         for root, ckpt in list(self._open.items()):
             try:
                 ckpt.close()
             except BaseException as e:
                 first = first or e
             self._open.pop(root, None)
+        self._start()
         if first is not None:
             raise first
 
-    # -- the mapping --------------------------------------------------------------------------
-    @staticmethod
-    def _norm(path: Any) -> str:
-        text = os.fspath(path)
-        return text if _is_url(text) else os.path.abspath(text)
+    # -- saves outside the loops ------------------------------------------------------------
+    def _save_now(self, checkpoint: dict[str, Any], path: str) -> None:
+        """``TorchCheckpointIO``'s save; what the path held before is forgotten once it is written."""
+        self._forget(path, now=True, remove=False)
+        get_filesystem(path).makedirs(files.dirname(path), exist_ok=True)
+        _atomic_save(checkpoint, path)
 
+    def _forget(self, path: str, *, now: bool, remove: bool) -> None:
+        """Nothing holds what ``path`` held any more: its pending saves are deleted once committed,
+        its committed steps now (``now``: with a Checkpointer opened for it if none is, closed after)."""
+        root = self._root_for(path)
+        with self._lock:
+            pointer = read_pointer(path)
+            named = set() if pointer is None else {(c.root, c.step, c.save_id) for c in files.candidates(path, pointer)}
+            for save in self._saves:
+                if save.path == path:
+                    save.doomed = True
+            busy = {(s.cand.root, s.cand.step) for s in self._saves}
+            if remove:
+                files.remove(path)
+        roots = {root} | {r for r, _, _ in named}
+        for r in sorted(roots):
+            steps = [s for s in self._steps_of(r, path, named) if (r, s) not in busy]
+            if not steps:
+                continue
+            if r in self._open or not now:
+                with self._lock:
+                    self._deletions.extend((r, s) for s in steps)
+                continue
+            try:  # outside a run: a Checkpointer for the deletion only
+                with mpckpt.Checkpointer(r, process_group=False, **self.options) as ckpt:
+                    ckpt.delete(*steps)
+            except LockedError as e:
+                log.warning("mpckpt: %s held steps %s of %s, which stay (another process writes there): %s",
+                            path, steps, r, e)
+        self._delete_what_we_may()
+
+    def _steps_of(self, root: str, path: str, named: set[tuple[str, int, int]]) -> list[int]:
+        """Committed steps of ``root`` that hold ``path``: saved for it, or named by its pointer."""
+        ckpt = self._open.get(root)
+        if ckpt is None:
+            if not files.is_url(root) and not os.path.isdir(root):
+                return []
+            try:
+                reader = mpckpt.Checkpointer(root, read_only=True,
+                                             **{k: v for k, v in self.options.items() if k in _READ_OPTIONS})
+            except MpckptError:
+                return []
+        else:
+            reader = ckpt
+        name = files.file_metric(root, path)
+        try:
+            out = []
+            for step in reader.steps():
+                metrics = reader.checkpoint(step).metrics
+                if metrics.get(files.FILE_METRIC) == name or (root, step, metrics.get(files.SAVE_ID_METRIC)) in named:
+                    out.append(step)
+            return out
+        finally:
+            if reader is not ckpt:
+                reader.close()
+
+    # -- the mapping --------------------------------------------------------------------------
     def _root_for(self, path: str) -> str:
-        return self.root if self.root is not None else _join(_dirname(path), DEFAULT_ROOT_NAME)
+        return self.root if self.root is not None else files.join(files.dirname(path), DEFAULT_ROOT_NAME)
+
+    def _timeout_s(self) -> float:
+        return float(self.options.get("timeout_s") or DEFAULT_TIMEOUT_S)
 
     def _writer(self, root: str) -> mpckpt.Checkpointer:
         ckpt = self._open.get(root)
@@ -255,146 +324,120 @@ class MpckptCheckpointIO(CheckpointIO):
             self._next_step[root] = max(self._next_step.get(root, 0), 0 if latest is None else latest + 1)
         return ckpt
 
-    def _candidates(self, path: str) -> list[_Candidate]:
-        if path in self._paths:
-            return list(self._paths[path])
-        pointer = read_pointer(path)
-        return [] if pointer is None else self._parse(path, pointer)
+    def _holds(self, save: _Save) -> bool:
+        """Whether ``save``'s file is still meant to become its checkpoint (under the lock)."""
+        if save.doomed or (not files.is_url(save.path) and os.path.islink(save.path)):
+            return False
+        if not save.pointed:
+            return files.exists(save.path)
+        pointer = read_pointer(save.path)
+        return pointer is None and files.exists(save.path) or \
+            pointer is not None and save.cand in files.candidates(save.path, pointer)
 
-    @staticmethod
-    def _parse(path: str, pointer: Mapping[str, Any]) -> list[_Candidate]:
-        where = _dirname(os.path.realpath(path) if not _is_url(path) else path)
-        out = []
-        for c in pointer.get("candidates", []):
-            root = str(c["root"])
-            if not _is_url(root) and not os.path.isabs(root):
-                root = os.path.normpath(os.path.join(where, root))
-            out.append(_Candidate(root, int(c["step"]), int(c["save_id"])))
-        return out
-
-    def _write_pointer(self, path: str, cands: list[_Candidate], checkpoint: Mapping[str, Any] | None = None) -> None:
-        fs = get_filesystem(path)
-        if not cands:
-            if fs.exists(path):
-                fs.rm(path)
-            self._paths.pop(path, None)
-            return
-        self._paths[path] = list(cands)
-        where = _dirname(path)
-        entries = []
-        for c in cands:
-            root = c.root
-            if not _is_url(root) and not _is_url(path) and os.path.dirname(root) == where:
-                root = os.path.relpath(root, where)  # the folder stays movable
-            entries.append({"root": root, "step": c.step, "save_id": c.save_id})
-        body: dict[str, Any] = {POINTER_KEY: POINTER_VERSION, "candidates": entries}
-        if checkpoint is not None:
-            body.update({k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)})
-        else:
-            previous = read_pointer(path) or {}
-            body.update({k: previous[k] for k in ("epoch", "global_step") if k in previous})
-        data = json.dumps(body, indent=1).encode()
-        if _is_url(path):
-            fs.makedirs(where, exist_ok=True)
-            fs.pipe_file(path, data)
-            return
-        os.makedirs(where, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # whole or not at all; a symlink to it (save_last="link") follows
-
-    def _load_candidate(self, cand: _Candidate) -> dict[str, Any] | None:
-        pending = next((p for p in self._pending if p.cand == cand), None)
-        if pending is not None:  # ours, still being saved: wait for its commit (raises if it failed)
-            pending.future.result()
-            self._settle(wait=False)
-        ckpt = self._open.get(cand.root)
-        reader = ckpt if ckpt is not None else None
-        try:
-            if reader is None:
-                if not _is_url(cand.root) and not os.path.isdir(cand.root):
-                    return None
-                reader = mpckpt.Checkpointer(cand.root, read_only=True,
-                                             **{k: v for k, v in self.options.items()
-                                                if k in ("storage_options", "allow_pickle", "timeout_s")})
-            try:
-                metrics = reader.checkpoint(cand.step).metrics
-            except CheckpointNotFoundError:
+    # -- the mpckpt-lightning-files thread --------------------------------------------------------
+    def _file_job(self, save: _Save) -> files.FileJob | None:
+        """A save's commit is done: its file to write, or None (failed, replaced, removed)."""
+        error = save.future.exception(0)
+        result = None if error is not None else save.future.result(0)
+        with self._lock:
+            if error is not None or result is None or result.name is None:  # failed, or skipped by the budget
+                if error is not None:
+                    add_note(error, f"mpckpt: the Lightning checkpoint {save.path} (step {save.cand.step} of "
+                                    f"{save.cand.root}) was not saved")
+                    self._failures.append(error)
+                self._fall_back(save)
+                self._finished(save)
                 return None
-            if metrics.get(SAVE_ID_METRIC) != cand.save_id:
-                return None  # that step number was saved again by a later run: not this file's checkpoint
-            state = reader.load(cand.step)
-        finally:
-            if reader is not None and reader is not ckpt:
-                reader.close()
-        if not isinstance(state, dict):
-            raise ConfigError(f"step {cand.step} of {cand.root} does not hold a Lightning checkpoint dict")
-        return state
+            newer = self._saves[self._saves.index(save) + 1:]
+            replaced = any(s.path == save.path and s.future.done() and s.future.exception(0) is None for s in newer)
+            if replaced or not self._holds(save):  # a newer commit of the file is written instead
+                if save.doomed:
+                    self._deletions.append((save.cand.root, save.cand.step))
+                self._finished(save)
+                return None
+        root = save.cand.root
+        local = not root.startswith("memory://") and not save.path.startswith("memory://")
+        return files.FileJob(save.ckpt, save.cand.step, files.temporary_path(save.path, save.cand.step),
+                             allow_pickle=bool(self.options.get("allow_pickle")), in_process=not local)
 
-    def _drop(self, cand: _Candidate) -> None:
-        """A checkpoint no file points at any more: delete it once mpckpt lets us."""
-        if any(p.cand == cand for p in self._pending):
-            self._doomed.add((cand.root, cand.step))
+    def _file_done(self, save: _Save, job: files.FileJob | None, error: BaseException | None) -> None:
+        if job is None:
+            return
+        with self._lock:
+            if error is None and self._holds(save):
+                try:
+                    files.replace(job.tmp, save.path)  # the file becomes the checkpoint, at once
+                    self._sweeps.append((save.cand.root, save.path, save.cand.step))
+                except OSError as e:
+                    error = e
+            if error is not None:
+                add_note(error, f"mpckpt: the Lightning checkpoint file {save.path} was not written (step "
+                                f"{save.cand.step} of {save.cand.root} is committed; the file stays a pointer to it)")
+                self._failures.append(error)
+            files.remove(job.tmp)
+            if save.doomed:
+                self._deletions.append((save.cand.root, save.cand.step))
+            self._finished(save)
+
+    def _finished(self, save: _Save) -> None:
+        save.finished = True
+        self._changed.notify_all()
+
+    def _fall_back(self, save: _Save) -> None:
+        """A save that failed: its file goes back to what it pointed at before (or goes)."""
+        pointer = read_pointer(save.path) if save.pointed else None
+        if pointer is None:
+            return
+        cands = files.candidates(save.path, pointer)
+        if save.cand not in cands:
+            return
+        rest = [c for c in cands if c != save.cand]
+        if rest:
+            files.write_pointer(save.path, rest, epoch=pointer.get("epoch"), global_step=pointer.get("global_step"))
         else:
-            self._deletions.append((cand.root, cand.step))
+            files.remove(save.path)
 
+    # -- on the training thread ------------------------------------------------------------------
     def _settle(self, wait: bool) -> None:
-        """Finish what committed saves make due (pointers, deletions); raise the first failure."""
-        failure: BaseException | None = None
-        while self._pending:
-            p = self._pending[0]
-            if not wait and not p.future.done():
-                break
-            self._pending.pop(0)
-            try:
-                p.future.result()
-            except BaseException as e:
-                add_note(e, f"mpckpt: the Lightning checkpoint {p.path} (step {p.cand.step} of {p.cand.root}) "
-                            "was not saved")
-                failure = failure or e
-                self._forget(p)
-                continue
-            self._committed(p)
+        """Finish what finished saves make due (deletions); raise the first failure."""
+        deadline = time.monotonic() + self._timeout_s() * 2
+        with self._lock:
+            while wait and any(not s.finished for s in self._saves):
+                if time.monotonic() > deadline:
+                    raise WaitTimeoutError(f"mpckpt: Lightning checkpoints still not written after "
+                                           f"{self._timeout_s() * 2:g} s: {[s.path for s in self._saves][:5]}")
+                self._changed.wait(1.0)
+            self._saves = [s for s in self._saves if not s.finished]
+            sweeps, self._sweeps = self._sweeps, []
+            failures, self._failures = self._failures, []
+            busy = {(s.cand.root, s.cand.step) for s in self._saves}
+        for root, path, step in sweeps:  # a file was written from step: its older steps go
+            older = [s for s in self._steps_of(root, path, set()) if s < step and (root, s) not in busy]
+            with self._lock:
+                self._deletions.extend((root, s) for s in older)
         if wait:
             for ckpt in self._open.values():
-                ckpt.wait()
+                try:
+                    ckpt.wait()
+                except BaseException as e:
+                    failures.append(e)
         self._delete_what_we_may()
-        if failure is not None:
-            raise failure
-
-    def _forget(self, p: _Pending) -> None:
-        """A save that failed: its file falls back to what it pointed at before."""
-        self._doomed.discard((p.cand.root, p.cand.step))
-        if p.path in self._paths and p.cand in self._paths[p.path]:
-            self._write_pointer(p.path, [c for c in self._paths[p.path] if c != p.cand])
-
-    def _committed(self, p: _Pending) -> None:
-        key = (p.cand.root, p.cand.step)
-        if key in self._doomed:  # its file was removed while it was saved
-            self._doomed.discard(key)
-            self._deletions.append(key)
-            return
-        cands = self._paths.get(p.path)
-        if cands is None or p.cand not in cands:
-            return
-        i = cands.index(p.cand)
-        for old in cands[i + 1:]:  # what this save replaced (last.ckpt saved again)
-            self._drop(old)
-        # no fsync: a rewrite lost in a power failure leaves the longer list, whose first committed
-        # candidate is this same step
-        self._write_pointer(p.path, cands[: i + 1])
+        if failures:
+            raise failures[0]
 
     def _delete_what_we_may(self) -> None:
+        with self._lock:
+            due, self._deletions = self._deletions, []
         later = []
-        for root, step in self._deletions:
+        for root, step in dict.fromkeys(due):
             try:
                 self._writer(root).delete(step)
             except CheckpointNotFoundError:
                 pass  # gone already
             except StepOrderError:
                 later.append((root, step))  # the newest while saves are pending: after the next commit
-        self._deletions = later
+        with self._lock:
+            self._deletions[:0] = later
 
 
 def _to_location(state: dict[str, Any], map_location: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Top-k deletion and ``save_last``, resuming from ``"last"`` exactly as an uninter
 ``validate`` / ``test`` with ``ckpt_path``, a remove that races a pending save, files whose
 save never committed, failures surfacing, and DDP with two CPU processes. Run as a script
 (``python tests/integration/test_lightning.py ddp DIR``) it is the DDP job the last test starts.
+What the files are and that nothing stays open: ``test_lightning_files.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mpckpt  # noqa: E402
+from mpckpt.integrations import lightning_files  # noqa: E402
 from mpckpt.integrations.lightning import MpckptCheckpointIO, read_pointer  # noqa: E402
+from tests.integration.gated_backend import gated_url  # noqa: E402
 
 OPTIONS = {"workers": 1, "memory_budget": "64MiB"}
 
@@ -77,17 +81,33 @@ def trainer(dirpath: Path, epochs: int, *, io: object = None, top_k: int = 2, **
     return t, mc
 
 
-def pointed_steps(dirpath: Path) -> dict[str, list[int]]:
-    out = {}
-    for name in sorted(os.listdir(dirpath)):
-        pointer = read_pointer(dirpath / name)
-        if pointer is not None:
-            out[name] = [c["step"] for c in pointer["candidates"]]
+def file_steps(dirpath: Path, root: Path | str | None = None) -> dict[str, list[int]]:
+    """Each file the root's committed steps were saved for, and those steps."""
+    out: dict[str, list[int]] = {}
+    with mpckpt.Checkpointer(root or dirpath / ".mpckpt", read_only=True) as r:
+        for step in r.steps():
+            out.setdefault(str(r.checkpoint(step).metrics["lightning_file"]), []).append(step)
     return out
 
 
-def committed(dirpath: Path) -> list[int]:
-    return mpckpt.Checkpointer(dirpath / ".mpckpt", read_only=True).steps()
+def checkpoint_files(dirpath: Path) -> list[str]:
+    """The Lightning checkpoints in ``dirpath`` (files torch.load reads, not pointers)."""
+    names = sorted(p.name for p in dirpath.glob("*.ckpt"))
+    assert all(read_pointer(dirpath / name) is None for name in names)
+    return names
+
+
+def committed(dirpath: Path, root: Path | str | None = None) -> list[int]:
+    with mpckpt.Checkpointer(root or dirpath / ".mpckpt", read_only=True) as r:
+        return r.steps()
+
+
+def written(path: Path, timeout_s: float = 60) -> None:
+    """Wait until the file at ``path`` is a checkpoint, no longer a pointer."""
+    deadline = time.monotonic() + timeout_s
+    while read_pointer(path) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert read_pointer(path) is None
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -99,17 +119,20 @@ def test_top_k_and_last_keep_exactly_what_lightning_keeps(tmp_path: Path) -> Non
     t, mc = trainer(tmp_path, 5)
     model = Net()
     t.fit(model)
-    files = pointed_steps(tmp_path)
-    # top 2 by val_loss plus last.ckpt; every file points at one committed step, nothing else is left
-    assert len(files) == 3 and "last.ckpt" in files
+    files = file_steps(tmp_path)
+    # top 2 by val_loss plus last.ckpt; every file is a checkpoint held by one committed step, nothing else is left
+    assert sorted(files) == checkpoint_files(tmp_path) and len(files) == 3 and "last.ckpt" in files
     assert Path(mc.best_model_path).name in files and Path(mc.last_model_path).name == "last.ckpt"
     assert all(len(steps) == 1 for steps in files.values())
-    assert sorted(s for steps in files.values() for s in steps) == committed(tmp_path)
     assert files["last.ckpt"] == [max(committed(tmp_path))]
     last = mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])
     assert last["global_step"] == 20 and last["epoch"] == 4
     for k, v in weights(model).items():
         torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
+    from_file = torch.load(tmp_path / "last.ckpt", weights_only=True)  # the file holds the same checkpoint
+    assert from_file["global_step"] == 20
+    for k, v in last["state_dict"].items():
+        torch.testing.assert_close(from_file["state_dict"][k], v, rtol=0, atol=0)
     ranked = sorted(mc.best_k_models.items(), key=lambda kv: float(kv[1]))
     assert mc.best_model_path == ranked[0][0]
     assert t.strategy.checkpoint_io._open == {}  # teardown closed the Checkpointer
@@ -156,7 +179,7 @@ def test_validate_and_test_with_ckpt_path(tmp_path: Path) -> None:
     t, mc = trainer(tmp_path, 3)
     t.fit(Net())
     best, last = mc.best_model_path, mc.last_model_path
-    state = mpckpt.load(tmp_path / ".mpckpt", step=read_pointer(best)["candidates"][0]["step"])
+    state = torch.load(best, weights_only=True)
     by_hand = Net()
     by_hand.load_state_dict(state["state_dict"])
     with torch.no_grad():
@@ -169,42 +192,59 @@ def test_validate_and_test_with_ckpt_path(tmp_path: Path) -> None:
 
 
 def test_remove_and_overwrite_never_race_a_pending_save(tmp_path: Path) -> None:
-    io = MpckptCheckpointIO(**OPTIONS)
-    big = {"state_dict": {"w": torch.randn(4 << 20)}, "global_step": 0, "epoch": 0}
+    gate, root = tmp_path / "gate", tmp_path / "root"  # uploads wait until the gate opens: every save is pending
+    io = MpckptCheckpointIO(root=gated_url(root), storage_options={"gate": str(gate)}, **OPTIONS)
+    big = {"state_dict": {"w": torch.randn(1 << 16)}, "global_step": 0, "epoch": 0}
     a, b, last = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "last.ckpt"
     io.save_checkpoint(big, a)
     io.save_checkpoint({**big, "global_step": 1}, last)
-    io.remove_checkpoint(a)                 # most likely still uploading: deleted after its commit
+    io.remove_checkpoint(a)                 # still uploading: deleted after its commit
     assert not a.exists()
-    io.save_checkpoint({**big, "global_step": 2}, last)   # overwrite: step 1 goes once step 2 commits
+    io.save_checkpoint({**big, "global_step": 2}, last)   # overwrite: step 1 goes once step 2's file is written
     assert [c["step"] for c in read_pointer(last)["candidates"]] == [2, 1]
     io.save_checkpoint({**big, "global_step": 3}, b)
+    gate.touch()
     loaded = io.load_checkpoint(b)          # waits for its commit
     assert loaded["global_step"] == 3 and torch.equal(loaded["state_dict"]["w"], big["state_dict"]["w"])
-    io.teardown()
-    assert committed(tmp_path) == [2, 3]
-    assert [c["step"] for c in read_pointer(last)["candidates"]] == [2]
+    io.teardown()                           # waits for the files
+    assert committed(tmp_path, gated_url(root)) == [2, 3]
+    assert torch.load(last, weights_only=True)["global_step"] == 2 and read_pointer(last) is None
     assert io.load_checkpoint(last)["global_step"] == 2
     io.remove_checkpoint(b)                 # committed: deleted at once (a new Checkpointer opens for it)
     io.teardown()
-    assert committed(tmp_path) == [2] and sorted(os.listdir(tmp_path)) == [".mpckpt", "last.ckpt"]
+    assert committed(tmp_path, gated_url(root)) == [2]
+    assert sorted(os.listdir(tmp_path)) == ["gate", "last.ckpt", "root"]
 
 
-def test_a_save_that_never_committed_falls_back_or_is_not_found(tmp_path: Path) -> None:
+def test_a_save_that_never_committed_falls_back_or_is_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     io = MpckptCheckpointIO(**OPTIONS)
-    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, tmp_path / "last.ckpt")
+    last = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, last)
     io.teardown()
-    pointer = read_pointer(tmp_path / "last.ckpt")
-    # what a crash between save_checkpoint and the commit leaves: a newer candidate that never committed
-    pointer["candidates"].insert(0, {"root": ".mpckpt", "step": 1, "save_id": 7})
-    (tmp_path / "last.ckpt").write_text(json.dumps(pointer))
-    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 5
+    root = str(tmp_path / ".mpckpt")
+    with mpckpt.Checkpointer(root, read_only=True) as r:
+        save_id = r.checkpoint(0).metrics["lightning_save_id"]
+    # what a crash between save_checkpoint and the commit leaves: a newer candidate that never committed,
+    # written by a process that is gone
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    monkeypatch.setattr(lightning_files.os, "getpid", lambda: int(ended.stdout))
+    new, old = lightning_files.Candidate(root, 1, 7), lightning_files.Candidate(root, 0, save_id)
+    lightning_files.write_pointer(str(last), [new, old])
+    lightning_files.write_pointer(str(tmp_path / "stale.ckpt"), [new])
+    monkeypatch.undo()
+    assert io.load_checkpoint(last)["global_step"] == 5
+    assert torch.load(last, weights_only=False)["global_step"] == 5  # torch.load of a pointer, trusted
+    with pytest.raises(FileNotFoundError, match="mpckpt has not written: step 1 of .*never committed"):
+        torch.load(tmp_path / "stale.ckpt", weights_only=False)  # its saver is gone: no wait
     # a step number saved again by a later run is not the one the file meant
     io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 9}, tmp_path / "other.ckpt")
     io.teardown()
-    (tmp_path / "stale.ckpt").write_text(json.dumps({**pointer, "candidates": pointer["candidates"][:1]}))
-    with pytest.raises(FileNotFoundError, match="no committed mpckpt checkpoint"):
+    assert committed(tmp_path) == [0, 1]
+    with pytest.raises(FileNotFoundError, match="mpckpt has not written: step 1 of .*never committed"):
         io.load_checkpoint(tmp_path / "stale.ckpt")
+    pointer = read_pointer(last)  # a pointer as mpckpt 0.1 wrote them (JSON) still reads
+    (tmp_path / "v1.ckpt").write_text(json.dumps({**pointer, "mpckpt_lightning": 1, "candidates": pointer["candidates"]}))
+    assert io.load_checkpoint(tmp_path / "v1.ckpt")["global_step"] == 5
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(tmp_path / "missing.ckpt")
     torch.save({"global_step": 1}, tmp_path / "plain.ckpt")   # a torch.save checkpoint still loads
@@ -224,6 +264,7 @@ def test_failures_surface(tmp_path: Path) -> None:
     io = MpckptCheckpointIO(**OPTIONS)
     io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "x.ckpt")
     io.load_checkpoint(tmp_path / "x.ckpt")     # waits for the commit; the Checkpointer stays open
+    written(tmp_path / "x.ckpt")
     root = tmp_path / ".mpckpt"
     shutil.rmtree(root)
     root.write_text("not a folder")
@@ -260,8 +301,8 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
     done = json.loads((tmp_path / "done.json").read_text())
     assert done["global_step"] == 6  # 2 ranks x 32 samples / 8 per batch: 2 steps per epoch, 3 epochs
-    files = pointed_steps(tmp_path)
-    assert set(files) == {"last.ckpt", Path(done["best"]).name}
+    files = file_steps(tmp_path)
+    assert sorted(files) == checkpoint_files(tmp_path) == sorted({"last.ckpt", Path(done["best"]).name})
     assert sorted(s for steps in files.values() for s in steps) == committed(tmp_path)
     assert mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])["global_step"] == 6
 
