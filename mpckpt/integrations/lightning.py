@@ -142,9 +142,10 @@ class MpckptCheckpointIO(CheckpointIO):
         self._changed = threading.Condition(self._lock)
         self._open: dict[str, mpckpt.Checkpointer] = {}
         self._saves: list[_Save] = []                   # unfinished, in save order (mpckpt commits in that order)
-        self._sweeps: list[tuple[str, str, int]] = []   # (root, file, step): delete the file's steps before step
         self._deletions: list[tuple[str, int]] = []     # committed steps to delete when mpckpt lets us
-        self._failures: list[BaseException] = []
+        self._failures: list[BaseException] = []        # from the background, raised by the next call
+        # INVARIANT: a Checkpointer's save (training thread) and delete (files thread) never run at once
+        self._saving = threading.Lock()
         self._files = files.FileWriter(self._file_job, self._file_done)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -178,14 +179,17 @@ class MpckptCheckpointIO(CheckpointIO):
             if isinstance(value, int) and not isinstance(value, bool):
                 metrics[name] = value
         try:
-            if fresh:  # both slabs made now, so later saves only copy (the first save pays for them)
-                ckpt.prepare(checkpoint)
-            future = ckpt.save(step, checkpoint, metrics=metrics, mode=UploadMode.ASYNC)
+            with self._saving:
+                if fresh:  # both slabs made now, so later saves only copy (the first save pays for them)
+                    ckpt.prepare(checkpoint)
+                future = ckpt.save(step, checkpoint, metrics=metrics, mode=UploadMode.ASYNC)
         except BaseException as e:
             add_note(e, f"mpckpt: while saving Lightning checkpoint {path} as step {step} of {root}")
             raise
         self._next_step[root] = step + 1
         assert future is not None  # no trigger: every save saves
+        if fresh and not self._in_process(root, path):
+            self._files.warm(ckpt, bool(self.options.get("allow_pickle")))
         with self._lock:
             pointer = read_pointer(path)
             save = _Save(path, cand, future, ckpt, pointed=pointer is not None or not files.exists(path))
@@ -233,7 +237,9 @@ class MpckptCheckpointIO(CheckpointIO):
             self._settle(wait=True)
         except BaseException as e:  # still finish the others and close
             first = e
-        self._files.close()
+        self._files.call(self._delete_due)
+        self._files.close()  # after what was submitted: the last deletions
+        first = first or next(iter(self._failures), None)
         for root, ckpt in list(self._open.items()):
             try:
                 ckpt.close()
@@ -270,8 +276,10 @@ class MpckptCheckpointIO(CheckpointIO):
             if not steps:
                 continue
             if r in self._open or not now:
+                self._writer(r)  # opened here, on the training thread; deleted on the files thread
                 with self._lock:
                     self._deletions.extend((r, s) for s in steps)
+                self._files.call(self._delete_due)
                 continue
             try:  # outside a run: a Checkpointer for the deletion only
                 with mpckpt.Checkpointer(r, process_group=False, **self.options) as ckpt:
@@ -279,11 +287,10 @@ class MpckptCheckpointIO(CheckpointIO):
             except LockedError as e:
                 log.warning("mpckpt: %s held steps %s of %s, which stay (another process writes there): %s",
                             path, steps, r, e)
-        self._delete_what_we_may()
 
-    def _steps_of(self, root: str, path: str, named: set[tuple[str, int, int]]) -> list[int]:
+    def _steps_of(self, root: str, path: str, named: set[tuple[str, int, int]], reader: Any = None) -> list[int]:
         """Committed steps of ``root`` that hold ``path``: saved for it, or named by its pointer."""
-        ckpt = self._open.get(root)
+        ckpt = reader or self._open.get(root)
         if ckpt is None:
             if not files.is_url(root) and not os.path.isdir(root):
                 return []
@@ -347,27 +354,35 @@ class MpckptCheckpointIO(CheckpointIO):
                     self._failures.append(error)
                 self._fall_back(save)
                 self._finished(save)
-                return None
-            newer = self._saves[self._saves.index(save) + 1:]
-            replaced = any(s.path == save.path and s.future.done() and s.future.exception(0) is None for s in newer)
-            if replaced or not self._holds(save):  # a newer commit of the file is written instead
-                if save.doomed:
-                    self._deletions.append((save.cand.root, save.cand.step))
-                self._finished(save)
-                return None
-        root = save.cand.root
-        local = not root.startswith("memory://") and not save.path.startswith("memory://")
+            else:
+                newer = self._saves[self._saves.index(save) + 1:]
+                replaced = any(s.path == save.path and s.future.done() and s.future.exception(0) is None
+                               for s in newer)
+                if replaced or not self._holds(save):  # a newer commit of the file is written instead
+                    if save.doomed:
+                        self._deletions.append((save.cand.root, save.cand.step))
+                    self._finished(save)
+        if save.finished:  # (a deletion refused while this save was pending may go now)
+            self._delete_due()
+            return None
         return files.FileJob(save.ckpt, save.cand.step, files.temporary_path(save.path, save.cand.step),
-                             allow_pickle=bool(self.options.get("allow_pickle")), in_process=not local)
+                             allow_pickle=bool(self.options.get("allow_pickle")),
+                             in_process=self._in_process(save.cand.root, save.path))
+
+    @staticmethod
+    def _in_process(root: str, path: str) -> bool:
+        """Storage only this process sees (``memory://``): its files are written by the thread itself."""
+        return root.startswith("memory://") or path.startswith("memory://")
 
     def _file_done(self, save: _Save, job: files.FileJob | None, error: BaseException | None) -> None:
         if job is None:
             return
+        written = False
         with self._lock:
             if error is None and self._holds(save):
                 try:
                     files.replace(job.tmp, save.path)  # the file becomes the checkpoint, at once
-                    self._sweeps.append((save.cand.root, save.path, save.cand.step))
+                    written = True
                 except OSError as e:
                     error = e
             if error is not None:
@@ -377,7 +392,14 @@ class MpckptCheckpointIO(CheckpointIO):
             files.remove(job.tmp)
             if save.doomed:
                 self._deletions.append((save.cand.root, save.cand.step))
+            busy = {(s.cand.root, s.cand.step) for s in self._saves if not s.finished and s is not save}
             self._finished(save)
+        if written:  # the root's older steps of this file go
+            older = self._steps_of(save.cand.root, save.path, set(), reader=save.ckpt)
+            with self._lock:
+                self._deletions.extend((save.cand.root, s) for s in older
+                                       if s < save.cand.step and (save.cand.root, s) not in busy)
+        self._delete_due()
 
     def _finished(self, save: _Save) -> None:
         save.finished = True
@@ -399,7 +421,7 @@ class MpckptCheckpointIO(CheckpointIO):
 
     # -- on the training thread ------------------------------------------------------------------
     def _settle(self, wait: bool) -> None:
-        """Finish what finished saves make due (deletions); raise the first failure."""
+        """Forget finished saves (waiting for all of them with ``wait``); raise the first failure."""
         deadline = time.monotonic() + self._timeout_s() * 2
         with self._lock:
             while wait and any(not s.finished for s in self._saves):
@@ -408,34 +430,36 @@ class MpckptCheckpointIO(CheckpointIO):
                                            f"{self._timeout_s() * 2:g} s: {[s.path for s in self._saves][:5]}")
                 self._changed.wait(1.0)
             self._saves = [s for s in self._saves if not s.finished]
-            sweeps, self._sweeps = self._sweeps, []
             failures, self._failures = self._failures, []
-            busy = {(s.cand.root, s.cand.step) for s in self._saves}
-        for root, path, step in sweeps:  # a file was written from step: its older steps go
-            older = [s for s in self._steps_of(root, path, set()) if s < step and (root, s) not in busy]
-            with self._lock:
-                self._deletions.extend((root, s) for s in older)
         if wait:
             for ckpt in self._open.values():
                 try:
                     ckpt.wait()
                 except BaseException as e:
                     failures.append(e)
-        self._delete_what_we_may()
         if failures:
             raise failures[0]
 
-    def _delete_what_we_may(self) -> None:
+    def _delete_due(self) -> None:
+        """Delete the steps due (on the files thread: a delete waits on storage, never on training)."""
         with self._lock:
-            due, self._deletions = self._deletions, []
+            due, self._deletions = list(dict.fromkeys(self._deletions)), []
         later = []
-        for root, step in dict.fromkeys(due):
+        for root, step in due:
+            ckpt = self._open.get(root)
+            if ckpt is None:
+                continue  # closed meanwhile (teardown runs this last, with every Checkpointer open)
             try:
-                self._writer(root).delete(step)
+                with self._saving:
+                    ckpt.delete(step)
             except CheckpointNotFoundError:
                 pass  # gone already
             except StepOrderError:
                 later.append((root, step))  # the newest while saves are pending: after the next commit
+            except BaseException as e:
+                add_note(e, f"mpckpt: while deleting step {step} of {root}, whose Lightning file is gone")
+                with self._lock:
+                    self._failures.append(e)
         with self._lock:
             self._deletions[:0] = later
 

@@ -349,6 +349,11 @@ def write_checkpoint_file(checkpoint: Any, *, allow_pickle: bool = False) -> dic
 
 
 @dataclass
+class _Call:
+    fn: Callable[[], None]
+
+
+@dataclass
 class FileJob:
     ckpt: Any          # the writer Checkpointer of the root
     step: int
@@ -358,11 +363,12 @@ class FileJob:
 
 
 class FileWriter:
-    """The ``mpckpt-lightning-files`` thread: checkpoint files from committed steps, in commit order.
+    """The ``mpckpt-lightning-files`` thread: checkpoint files from committed steps, in commit order,
+    and whatever else must stay off the training thread (``call``: the plugin's deletions).
 
-    ``prepare(item)`` (under the plugin's rules) returns the ``FileJob`` to run or None; the job
-    runs in a validator process of the root (started at its first file, below training); then
-    ``finish(item, job, error)``. Neither callback may raise.
+    For each submitted item, ``prepare(item)`` (under the plugin's rules) returns the ``FileJob``
+    to run or None; the job runs in a validator process of the root (started at its first file,
+    below training); then ``finish(item, job, error)``. No callback may raise.
     """
 
     def __init__(self, prepare: Callable[[Any], FileJob | None],
@@ -373,6 +379,10 @@ class FileWriter:
         self._procs: dict[str, Any] = {}
         self._closing = False
         self._started = threading.Lock()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread, after what was submitted before."""
+        self.submit(_Call(fn))
 
     def submit(self, item: Any) -> None:
         with self._started:
@@ -399,6 +409,9 @@ class FileWriter:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _Call):
+                item.fn()
+                continue
             job = self._prepare(item)
             error: BaseException | None = None
             if job is not None:
@@ -418,7 +431,7 @@ class FileWriter:
             return
         from mpckpt._commit.validator_process import ValidationFailed
 
-        proc = self._process(job)
+        proc = self._process(job.ckpt, job.allow_pickle)
         try:
             proc.validate(job.step, name, manifest, timeout_s=job.ckpt.config.timeout_s,
                           abandoned=lambda: self._closing)
@@ -429,16 +442,21 @@ class FileWriter:
             add_note(cause, f"mpckpt: while writing the Lightning checkpoint of step {job.step} ({e})")
             raise cause from None
 
-    def _process(self, job: FileJob) -> Any:
+    def warm(self, ckpt: Any, allow_pickle: bool) -> None:
+        """Start the process that writes the files of ``ckpt``'s root now (on the thread), so that
+        its start (imports: seconds) overlaps training instead of delaying the first file."""
+        self.call(lambda: self._process(ckpt, allow_pickle) and None)
+
+    def _process(self, ckpt: Any, allow_pickle: bool) -> Any:
         from mpckpt._commit.validator_process import ValidatorProcess, ValidatorSetup, pickle_fn
 
-        proc = self._procs.get(job.ckpt.url)
+        proc = self._procs.get(ckpt.url)
         if proc is None:
-            config = job.ckpt.config
-            fn = pickle_fn(functools.partial(write_checkpoint_file, allow_pickle=job.allow_pickle))
-            proc = ValidatorProcess(ValidatorSetup(job.ckpt._spec, fn, config.nice, os.getpid(), dict(os.environ)),
+            config = ckpt.config
+            fn = pickle_fn(functools.partial(write_checkpoint_file, allow_pickle=allow_pickle))
+            proc = ValidatorProcess(ValidatorSetup(ckpt._spec, fn, config.nice, os.getpid(), dict(os.environ)),
                                     start_method=config.start_method)
-            self._procs[job.ckpt.url] = proc
+            self._procs[ckpt.url] = proc
         return proc
 
 
