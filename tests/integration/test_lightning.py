@@ -169,6 +169,9 @@ def test_save_last_link_saves_once_and_resumes(tmp_path: Path) -> None:
     t.fit(Net())
     assert os.readlink(tmp_path / "last.ckpt") == Path(mc.best_model_path).name
     assert len(committed(tmp_path)) == 2  # one step per save: the link costs nothing
+    # the link leads to a checkpoint file, as the file it names is one
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == \
+        torch.load(mc.best_model_path, weights_only=True)["global_step"]
     t2, mc2 = trainer(tmp_path, 4)
     t2.fit(Net(), ckpt_path="last")
     assert t2.global_step == 16

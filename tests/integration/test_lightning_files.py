@@ -9,10 +9,12 @@ Trainer on the CPU, then no uploader process, no mpckpt thread and no writer loc
 from __future__ import annotations
 
 import pickle
+import secrets
 import threading
 import time
 from pathlib import Path
 
+import fsspec
 import psutil
 import pytest
 import torch
@@ -51,7 +53,7 @@ def assert_nothing_open() -> None:
     assert mpckpt_processes() == [] and mpckpt_threads() == []
 
 
-def files_of_root(root: Path) -> dict[int, str]:
+def files_of_root(root: Path | str) -> dict[int, str]:
     """Every committed step of ``root`` and the Lightning file it was saved for."""
     with mpckpt.Checkpointer(root, read_only=True) as r:
         return {s: r.checkpoint(s).metrics["lightning_file"] for s in r.steps()}
@@ -150,3 +152,25 @@ def test_ddp_spawn_leaves_nothing_open_and_the_trainer_pickles(tmp_path: Path) -
         torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
     Net.load_from_checkpoint(mc.best_model_path)
     assert sorted(files_of_root(tmp_path / ".mpckpt").values()) == sorted(p.name for p in tmp_path.glob("*.ckpt"))
+
+
+def test_an_fsspec_folder_gets_checkpoints_too(tmp_path: Path) -> None:
+    folder = f"memory://mpckpt-lightning-{secrets.token_hex(4)}"  # the root inside it lives in this process
+    try:
+        mc = ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=1, save_last=True)
+        t = L.Trainer(max_epochs=2, plugins=[MpckptCheckpointIO(**OPTIONS)], callbacks=[mc], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+        model = Net()
+        t.fit(model)
+        assert mc.best_model_path.startswith("memory://") and read_pointer(mc.best_model_path) is None
+        last = pl_load(f"{folder}/last.ckpt", weights_only=True)
+        assert last["global_step"] == 8
+        for k, v in weights(model).items():
+            torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
+        Net.load_from_checkpoint(mc.best_model_path)
+        assert sorted(files_of_root(f"{folder}/.mpckpt").values()) == sorted(  # a URL's steps name it whole
+            f"{folder}/{p.rsplit('/', 1)[1]}" for p in fsspec.filesystem("memory").ls(folder, detail=False)
+            if p.endswith(".ckpt"))
+        assert_nothing_open()
+    finally:
+        fsspec.filesystem("memory").rm(folder, recursive=True)
