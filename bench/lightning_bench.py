@@ -6,8 +6,10 @@ parameter in the checkpoint), the same loop (``--steps`` training steps, a Model
 ``save_checkpoint`` holds the training loop (p50/p90 over every save but each run's first, which is shown
 apart: for mpckpt it starts the uploaders and makes the shared memory) (the plugin's call only; Lightning's own
 ``dump_checkpoint`` before it is the same for all); "fit" is the whole ``trainer.fit`` wall time
-(for mpckpt and async it includes waiting for the last writes at teardown), and "none" runs the
-same loop without checkpoints. "copy p50" is mpckpt's own snapshot_ms (the copy into shared memory).
+(for mpckpt and async it includes waiting for the last writes at teardown: "end s", the plugin's
+``teardown``; for mpckpt that is the last commits and the last ``.ckpt`` files written from them),
+and "none" runs the same loop without checkpoints. "copy p50" is mpckpt's own snapshot_ms (the copy
+into shared memory).
 
     .venv/bin/python bench/lightning_bench.py                       # every plugin, ~300 MB state
     .venv/bin/python bench/lightning_bench.py --only mpckpt --json out.json
@@ -43,6 +45,7 @@ def _run_one(plugin: str, args: argparse.Namespace, folder: str) -> dict[str, An
     torch.manual_seed(0)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     blocked: list[float] = []
+    ended: list[float] = []
 
     def timed(cls: type) -> type:
         class Timed(cls):  # type: ignore[misc, valid-type]
@@ -50,6 +53,11 @@ def _run_one(plugin: str, args: argparse.Namespace, folder: str) -> dict[str, An
                 t0 = time.perf_counter()
                 super().save_checkpoint(*a, **kw)
                 blocked.append((time.perf_counter() - t0) * 1e3)
+
+            def teardown(self) -> None:
+                t0 = time.perf_counter()
+                super().teardown()
+                ended.append(time.perf_counter() - t0)
         return Timed
 
     class Net(L.LightningModule):
@@ -101,7 +109,8 @@ def _run_one(plugin: str, args: argparse.Namespace, folder: str) -> dict[str, An
     snapshot_ms = [s.snapshot_ms for st in getattr(plugins[0], "stats", {}).values() for s in st.saves] if plugins else []
     return {"plugin": plugin, "state_mb": round(state_mb), "saves": len(blocked), "blocked_ms": blocked,
             "mpckpt_snapshot_ms": snapshot_ms, "loadavg": os.getloadavg()[0],
-            "p50_ms": pct(0.5), "p90_ms": pct(0.9), "first_ms": blocked[0] if blocked else None, "fit_s": fit_s}
+            "p50_ms": pct(0.5), "p90_ms": pct(0.9), "first_ms": blocked[0] if blocked else None, "fit_s": fit_s,
+            "teardown_s": sum(ended)}
 
 
 def _pooled(plugin: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,13 +118,14 @@ def _pooled(plugin: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     later = sorted(ms for r in runs for ms in r["blocked_ms"][1:])
     firsts = sorted(r["first_ms"] for r in runs if r["first_ms"] is not None)
     fits = sorted(r["fit_s"] for r in runs)
+    ends = sorted(r.get("teardown_s", 0.0) for r in runs)
 
     def pct(values: list[float], q: float) -> float | None:
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
     return {"plugin": plugin, "state_mb": runs[0]["state_mb"], "runs": runs, "saves": sum(r["saves"] for r in runs),
             "p50_ms": pct(later, 0.5), "p90_ms": pct(later, 0.9), "first_ms": pct(firsts, 0.5),
-            "fit_s": pct(fits, 0.5), "loadavg": sum(r["loadavg"] for r in runs) / len(runs),
+            "fit_s": pct(fits, 0.5), "teardown_s": pct(ends, 0.5), "loadavg": sum(r["loadavg"] for r in runs) / len(runs),
             "mpckpt_snapshot_ms": [ms for r in runs for ms in r["mpckpt_snapshot_ms"][1:]]}
 
 
@@ -155,14 +165,15 @@ def main() -> None:
     bare = next((r["fit_s"] for r in results if r["plugin"] == "none"), None)
     print(f"state {results[-1]['state_mb']} MB, {args.steps} steps, a save every {args.every}")
     print(f"{'plugin':<16}{'saves':>6}{'p50 ms':>10}{'p90 ms':>10}{'first ms':>10}{'fit s':>8}{'vs none':>9}"
-          f"{'copy p50':>10}")
+          f"{'end s':>7}{'copy p50':>10}")
     for r in results:
         snaps = sorted(r["mpckpt_snapshot_ms"])
         cells = [r["p50_ms"], r["p90_ms"], r["first_ms"]]
         cells_text = "".join(f"{'-' if v is None else f'{v:.1f}':>10}" for v in cells)
         slow = "-" if bare is None else f"{(r['fit_s'] / bare - 1) * 100:+.0f}%"
         snap = f"{snaps[len(snaps) // 2]:.1f}" if snaps else "-"
-        print(f"{r['plugin']:<16}{r['saves']:>6}{cells_text}{r['fit_s']:>8.1f}{slow:>9}{snap:>10}")
+        print(f"{r['plugin']:<16}{r['saves']:>6}{cells_text}{r['fit_s']:>8.1f}{slow:>9}{r['teardown_s']:>7.1f}"
+              f"{snap:>10}")
     print(f"load average during the runs: {[round(r['loadavg'], 1) for r in results]} (on {os.cpu_count()} cores)")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,4 @@
-"""Lightning with mpckpt: the one-line change, top-k, and resuming from "last".
+"""Lightning with mpckpt: the one-line change, top-k, resuming from "last", and loading the best model.
 
     python examples/lightning_example.py              # trains 3 epochs into ./runs/lightning-example
     python examples/lightning_example.py --epochs 5   # run again: resumes from last.ckpt, trains to epoch 5
@@ -75,6 +75,9 @@ def main() -> None:
     if trainer.is_global_zero:
         print(f"best: {checkpoints.best_model_path} ({float(checkpoints.best_model_score):.4f})")
         print(f"last: {checkpoints.last_model_path}")
+        # the files are Lightning checkpoints: load them as always (any machine, no mpckpt needed)
+        best = Regressor.load_from_checkpoint(checkpoints.best_model_path)
+        print(f"loaded the best model (lr={best.hparams.lr}) with Regressor.load_from_checkpoint")
         root = os.path.join(args.dir, ".mpckpt")
         with mpckpt.Checkpointer(root, read_only=True) as ckpt:
             print(f"mpckpt steps in {root}: {ckpt.steps()}  (inspect them: mpckpt ls {root})")
