@@ -252,14 +252,19 @@ class MpckptCheckpointIO(CheckpointIO):
 
     # -- saves outside the loops ------------------------------------------------------------
     def _save_now(self, checkpoint: dict[str, Any], path: str) -> None:
-        """``TorchCheckpointIO``'s save; what the path held before is forgotten once it is written."""
-        self._forget(path, now=True, remove=False)
+        """``TorchCheckpointIO``'s save; what the path held before is deleted once it is written."""
+        held = self._release(path, remove=False)
         get_filesystem(path).makedirs(files.dirname(path), exist_ok=True)
         _atomic_save(checkpoint, path)
+        self._delete(path, held, now=True)
 
     def _forget(self, path: str, *, now: bool, remove: bool) -> None:
         """Nothing holds what ``path`` held any more: its pending saves are deleted once committed,
         its committed steps now (``now``: with a Checkpointer opened for it if none is, closed after)."""
+        self._delete(path, self._release(path, remove=remove), now=now)
+
+    def _release(self, path: str, *, remove: bool) -> dict[str, list[int]]:
+        """Doom the pending saves of ``path`` (``remove``: and the file); its committed steps, per root."""
         root = self._root_for(path)
         with self._lock:
             pointer = read_pointer(path)
@@ -270,23 +275,27 @@ class MpckptCheckpointIO(CheckpointIO):
             busy = {(s.cand.root, s.cand.step) for s in self._saves}
             if remove:
                 files.remove(path)
-        roots = {root} | {r for r, _, _ in named}
-        for r in sorted(roots):
+        held = {}
+        for r in sorted({root} | {r for r, _, _ in named}):
             steps = [s for s in self._steps_of(r, path, named) if (r, s) not in busy]
-            if not steps:
-                continue
-            if r in self._open or not now:
-                self._writer(r)  # opened here, on the training thread; deleted on the files thread
+            if steps:
+                held[r] = steps
+        return held
+
+    def _delete(self, path: str, held: dict[str, list[int]], *, now: bool) -> None:
+        for root, steps in held.items():
+            if root in self._open or not now:
+                self._writer(root)  # opened here, on the training thread; deleted on the files thread
                 with self._lock:
-                    self._deletions.extend((r, s) for s in steps)
+                    self._deletions.extend((root, s) for s in steps)
                 self._files.call(self._delete_due)
                 continue
             try:  # outside a run: a Checkpointer for the deletion only
-                with mpckpt.Checkpointer(r, process_group=False, **self.options) as ckpt:
+                with mpckpt.Checkpointer(root, process_group=False, **self.options) as ckpt:
                     ckpt.delete(*steps)
             except LockedError as e:
                 log.warning("mpckpt: %s held steps %s of %s, which stay (another process writes there): %s",
-                            path, steps, r, e)
+                            path, steps, root, e)
 
     def _steps_of(self, root: str, path: str, named: set[tuple[str, int, int]], reader: Any = None) -> list[int]:
         """Committed steps of ``root`` that hold ``path``: saved for it, or named by its pointer."""

@@ -136,6 +136,21 @@ def test_save_checkpoint_after_fit_is_complete_and_leaves_nothing_open(tmp_path:
     assert torch.load(tmp_path / "other" / "after-2.ckpt", weights_only=True)["global_step"] == 8
 
 
+def test_after_fit_a_save_over_a_file_or_its_removal_deletes_its_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    t, mc = trainer(tmp_path, 2)
+    t.fit(Net())
+    before = files_of_root(tmp_path / ".mpckpt")
+    assert sorted(before.values()) == sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    t.save_checkpoint(mc.last_model_path)  # over last.ckpt, outside fit(): written now, its old step goes
+    t.strategy.remove_checkpoint(mc.best_model_path)  # as Lightning removes files: the step goes with it
+    assert not Path(mc.best_model_path).exists()
+    assert torch.load(mc.last_model_path, weights_only=True)["global_step"] == 8
+    gone = Path(mc.best_model_path).name, "last.ckpt"  # removed, and saved over
+    assert files_of_root(tmp_path / ".mpckpt") == {s: f for s, f in before.items() if f not in gone}
+    assert_nothing_open()
+
+
 def test_ddp_spawn_leaves_nothing_open_and_the_trainer_pickles(tmp_path: Path) -> None:
     torch.manual_seed(0)
     mc = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
