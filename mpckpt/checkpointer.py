@@ -32,7 +32,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mpckpt._apply import apply_state, init_optimizer_state
@@ -458,13 +458,17 @@ class Checkpointer:
         ``classes=False``: namedtuples and dataclasses as dicts, Enum members as names (see ``mpckpt.load``).
         While it reads, this Checkpointer's retention keeps that checkpoint.
         """
-        target = step if step is not None else self.latest_step
-        reading = self._rt.reading(target) if isinstance(self._rt, Runtime) else contextlib.nullcontext()
-        with reading:
-            ckpt = self.checkpoint(target)  # gone meanwhile: CheckpointNotFoundError, never half read
-            assert ckpt._stored is not None
-            backend, name, manifest = ckpt._stored
+        with self._reading(step if step is not None else self.latest_step) as (backend, name, manifest):
             return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
+
+    @contextlib.contextmanager
+    def _reading(self, step: int | None) -> Iterator[tuple[Any, str, Any]]:
+        """(backend, folder name, manifest) of committed ``step``, kept from retention while in use."""
+        reading = self._rt.reading(step) if isinstance(self._rt, Runtime) else contextlib.nullcontext()
+        with reading:
+            ckpt = self.checkpoint(step)  # gone meanwhile: CheckpointNotFoundError, never half read
+            assert ckpt._stored is not None
+            yield ckpt._stored
 
     def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True,
                 discard_newer: bool = False) -> int | None:
@@ -576,10 +580,8 @@ class Checkpointer:
 
     def _verify(self, step: int) -> None:
         """Read every byte of checkpoint ``step`` against its checksums (``CorruptCheckpointError`` if not)."""
-        ckpt = self.checkpoint(step)
-        assert ckpt._stored is not None
-        backend, name, manifest = ckpt._stored
-        verify_checkpoint(backend, name, manifest)
+        with self._reading(step) as (backend, name, manifest):
+            verify_checkpoint(backend, name, manifest)
 
     def _restore_ranked(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
         """``restore`` on every rank of a job: each reads the byte ranges it needs (resharding).

@@ -48,7 +48,6 @@ TAG = "__mpckpt__"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _KEY_TYPES = (str, int, float, bool, type(None))
 _SHOWN_REFUSED = 3  # refused keys named in the error, of how many there are
-_CONVERT = "int() / float() / str(), dataclasses.asdict(), .tolist(), .state_dict()"
 
 
 def _article(name: str) -> str:
@@ -197,7 +196,8 @@ class _Flattener:
             cls = type(value)
             name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__qualname__
             hint = (f"store vars({path.rsplit('.', 1)[-1] or 'args'}), a dict of its values"
-                    if name == "argparse.Namespace" else f"convert it to tensors or plain values: {_CONVERT}")
+                    if name == "argparse.Namespace"
+                    else f"convert it to tensors or plain values: {_values.CONVERT}, .state_dict()")
             self.refuse(path, _article(name), hint)
             return None
         where = path or "<root>"

@@ -73,7 +73,7 @@ _NUMPY_CODE = re.compile(r"[<>|]([biufc]\d+|[US]\d+)")
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _PATHS = {c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath)}
 _PURE = {"PosixPath": pathlib.PurePosixPath, "WindowsPath": pathlib.PureWindowsPath}
-_CONVERT = "dataclasses.asdict(), int() / float() / str(), .tolist()"
+CONVERT = "int() / float() / str(), dataclasses.asdict(), .tolist()"  # what refusals suggest
 
 
 class Visitor(Protocol):
@@ -174,7 +174,7 @@ def _class(f: Visitor, cls: type, path: str, what: str) -> dict[str, str] | None
     if "<locals>" in qualname or found is not cls:
         _refuse(f, path, f"{what} of class {module}.{qualname}, which cannot be found again by that name "
                 "(a class defined inside a function, or renamed)",
-                f"define the class at module level, or convert the value ({_CONVERT})")
+                f"define the class at module level, or convert the value ({CONVERT})")
         return None  # pickle is allowed: the flattener pickles it
     return {"module": module, "qualname": qualname}
 
