@@ -44,8 +44,8 @@ import torch
 import xxhash
 
 from mpckpt import _dtypes
+from mpckpt._codec.tree import build_tensors, unflatten
 from mpckpt._progress import reading_bar
-from mpckpt._stage.snapshot import build_tensors, unflatten
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header

@@ -23,8 +23,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
+from mpckpt._codec.values import TAG, path_of
 from mpckpt._dist.group import RankGroup
-from mpckpt._stage.snapshot import TAG, FlatState, _path
+from mpckpt._stage.snapshot import FlatState
 from mpckpt.errors import StateError
 
 BLOCK_BYTES = 256 << 10  # each file's bytes are checksummed per block too (ranged reads verify; at most two
@@ -124,7 +125,7 @@ def _signature(flat: FlatState) -> list[tuple[Any, ...]]:
 def _value_paths(node: Any, path: str) -> list[str]:
     """The key paths of the plain values in skeleton tree ``node`` (tensors and PerRank values left out)."""
     if isinstance(node, list):
-        return [p for i, x in enumerate(node) for p in _value_paths(x, _path(path, i))]
+        return [p for i, x in enumerate(node) for p in _value_paths(x, path_of(path, i))]
     if not isinstance(node, dict):
         return [path]
     tag = node.get(TAG)
@@ -132,9 +133,9 @@ def _value_paths(node: Any, path: str) -> list[str]:
         return []
     keys, values = node.get("k"), node.get("v")
     if isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values):  # dict, odict, dataclass ...
-        return [p for k, v in zip(keys, values, strict=True) for p in _value_paths(v, _path(path, k))]
+        return [p for k, v in zip(keys, values, strict=True) for p in _value_paths(v, path_of(path, k))]
     if isinstance(values, list):  # tuple, set ...
-        return [p for i, x in enumerate(values) for p in _value_paths(x, _path(path, i))]
+        return [p for i, x in enumerate(values) for p in _value_paths(x, path_of(path, i))]
     return [path]  # one value (a float that is not finite, bytes, a dtype ...)
 
 

@@ -35,9 +35,11 @@ import torch
 import xxhash
 
 from mpckpt import _dtypes
+from mpckpt._codec.tree import build_tensors, unflatten
+from mpckpt._codec.values import path_of
+from mpckpt._dist.dtensor import ShardInfo, as_dtensor, local_shape
 from mpckpt._dist.skeleton import RankSkeleton, read_rank_skeletons
 from mpckpt._progress import reading_bar
-from mpckpt._stage.snapshot import ShardInfo, _path, build_tensors, unflatten
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader, header_length, parse_header
@@ -415,15 +417,14 @@ def load_ranked_for(backend: Backend, name: str, manifest: Manifest, *, rank: in
         if tuple(target.global_shape) != g.shape:
             raise StateError(f"state key {spec['name']!r}: shape {list(g.shape)} in the checkpoint, "
                              f"{list(target.global_shape)} in memory", key=spec["name"])
-        local_shape = tuple(_local_shape(target))
-        return reader.region(spec["name"], tuple(target.offset), local_shape)
+        return reader.region(spec["name"], tuple(target.offset), local_shape(target))
 
     leaves = _tensors(reader, sk, global_leaf, local=same)
     read = reader.run()
     for i, spec in enumerate(sk.leaves):  # shards of the live DTensors become DTensors again
         target = targets.get(spec["name"])
         if target is not None and spec["kind"] != "local":
-            leaves[i] = _as_dtensor(leaves[i], target)
+            leaves[i] = as_dtensor(leaves[i], target)
 
     def this_rank(number: int, value: Any, path: str) -> Any:
         if same:
@@ -435,26 +436,6 @@ def load_ranked_for(backend: Backend, name: str, manifest: Manifest, *, rank: in
                          "same world size: restore with strict=False to leave it as it is", key=path)
 
     return _build(name, sk, leaves, allow_pickle=allow_pickle, per_rank=this_rank), read
-
-
-def _local_shape(target: ShardInfo) -> tuple[int, ...]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, _ = compute_local_shape_and_global_offset(target.global_shape, target.mesh, target.placements)
-    return tuple(shape)
-
-
-def _as_dtensor(local: torch.Tensor, target: ShardInfo) -> torch.Tensor:
-    """``local`` (read into CPU memory) as this rank's shard of a DTensor like the live one,
-    on the live mesh's device."""
-    from torch.distributed.tensor import DTensor
-
-    device_type = target.mesh.device_type
-    if device_type != "cpu":
-        module = getattr(torch, device_type)
-        local = local.to(torch.device(device_type, module.current_device()))
-    return DTensor.from_local(local, target.mesh, target.placements, run_check=False,
-                              shape=torch.Size(target.global_shape), stride=target.global_stride)
 
 
 def check_ranked(backend: Backend, name: str, manifest: Manifest) -> None:
@@ -497,10 +478,10 @@ def shard_like_live(loaded: Any, targets: dict[str, ShardInfo], path: str = "") 
         if tuple(loaded.shape) != tuple(target.global_shape):
             raise StateError(f"state key {path!r}: shape {list(loaded.shape)} in the checkpoint, "
                              f"{list(target.global_shape)} in memory", key=path)
-        box = tuple(slice(o, o + n) for o, n in zip(target.offset, _local_shape(target), strict=True))
-        return _as_dtensor(loaded[box].contiguous(), target)
+        box = tuple(slice(o, o + n) for o, n in zip(target.offset, local_shape(target), strict=True))
+        return as_dtensor(loaded[box].contiguous(), target)
     if isinstance(loaded, dict):
-        return {k: shard_like_live(v, targets, _path(path, k)) for k, v in loaded.items()}
+        return {k: shard_like_live(v, targets, path_of(path, k)) for k, v in loaded.items()}
     if isinstance(loaded, list):
-        return [shard_like_live(v, targets, _path(path, i)) for i, v in enumerate(loaded)]
+        return [shard_like_live(v, targets, path_of(path, i)) for i, v in enumerate(loaded)]
     return loaded

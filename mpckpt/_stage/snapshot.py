@@ -33,18 +33,18 @@ import base64
 import dataclasses
 import math
 import pickle
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mpckpt import _dtypes
-from mpckpt._stage import values as _values
-from mpckpt.errors import CorruptCheckpointError, StateError
+from mpckpt._codec import values as _values
+from mpckpt._codec.values import TAG, path_of
+from mpckpt._dist.dtensor import ShardInfo, is_dtensor, shard_info
+from mpckpt.errors import StateError
 from mpckpt.per_rank import PerRank
 
-TAG = "__mpckpt__"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _KEY_TYPES = (str, int, float, bool, type(None))
 _SHOWN_REFUSED = 3  # refused keys named in the error, of how many there are
@@ -66,19 +66,6 @@ class TensorLeaf:
     stored_shape: tuple[int, ...]  # shape as written (a real view of complex; bytes of a base)
     nbytes: int
     raw: bool = False             # a byte range of a storage that several views share
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Where a DTensor leaf's local shard sits in its global tensor, and whether this rank
-    stores it (of the ranks holding the same shard, a replicated placement, only one does)."""
-
-    global_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    writes: bool
-    mesh: Any
-    placements: tuple[Any, ...]
-    global_stride: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -110,10 +97,6 @@ class FlatState:
     def versions(self, leaves: Any) -> tuple[tuple[int, int], ...]:
         """(address, in-place version counter) of each leaf: equal means unchanged."""
         return tuple((self.sources[i].data_ptr(), self.sources[i]._version) for i in leaves)
-
-
-def _path(parent: str, key: Any) -> str:
-    return f"{parent}.{key}" if parent else str(key)
 
 
 class _Flattener:
@@ -159,9 +142,9 @@ class _Flattener:
         if isinstance(value, dict):
             return self.container(value, path, self.mapping)
         if isinstance(value, list):
-            return self.container(value, path, lambda v, p: [self.visit(x, _path(p, i)) for i, x in enumerate(v)])
+            return self.container(value, path, lambda v, p: [self.visit(x, path_of(p, i)) for i, x in enumerate(v)])
         if type(value) is tuple:
-            return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, _path(p, i)) for i, x in enumerate(v)]})
+            return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, path_of(p, i)) for i, x in enumerate(v)]})
         if isinstance(value, torch.nn.Module):
             self.frozen_ptrs.update(p.data_ptr() for p in value.parameters() if not p.requires_grad)
         state_dict = getattr(value, "state_dict", None)
@@ -183,12 +166,12 @@ class _Flattener:
         for k, v in value.items():
             if not isinstance(k, _KEY_TYPES) or (isinstance(k, float) and not math.isfinite(k)):
                 raise StateError(
-                    f"state key {_path(path, repr(k))!r}: dict keys must be str, int, finite float, bool or None, "
+                    f"state key {path_of(path, repr(k))!r}: dict keys must be str, int, finite float, bool or None, "
                     f"not {type(k).__name__}; convert the key to a string",
-                    key=_path(path, repr(k)),
+                    key=path_of(path, repr(k)),
                 )
             keys.append(k)
-            vals.append(self.visit(v, _path(path, k)))
+            vals.append(self.visit(v, path_of(path, k)))
         return {TAG: "dict", "k": keys, "v": vals}
 
     def fallback(self, value: Any, path: str) -> Any:
@@ -231,7 +214,7 @@ class _Flattener:
         if row is None:  # a tensor object seen before is one table row, one object on load
             row = len(self.rows)
             self.rows_by_object[id(t)] = row  # ids are stable: ``rows`` holds every tensor meanwhile
-            if type(t) not in _PLAIN_TENSORS and self.distributed and _is_dtensor(t):
+            if type(t) not in _PLAIN_TENSORS and self.distributed and is_dtensor(t):
                 dt: Any = t
                 self.dtensors[row] = dt
                 self.dmeta.append((row, dt.shape, dt.placements, id(dt.device_mesh)))
@@ -472,11 +455,6 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None 
     return flat
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    cls = type(t)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
-
-
 def _dist_info(f: _Flattener, tab: _Tabulator) -> DistInfo:
     """Each leaf's kind, and where each DTensor leaf's shard sits in its global tensor."""
     kinds: list[str] = []
@@ -490,156 +468,6 @@ def _dist_info(f: _Flattener, tab: _Tabulator) -> DistInfo:
         if row in f.local_rows:
             raise StateError(f"state key {path!r} is a DTensor under a PerRank; a DTensor is already stored per "
                              "shard: take it out of the PerRank", key=f.paths[row])
-        shards[i] = _shard_info(dt, path)
+        shards[i] = shard_info(dt, path)
         kinds.append("sharded")
     return DistInfo(tuple(kinds), shards)
-
-
-def _shard_info(dt: Any, path: str) -> ShardInfo:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = dt.device_mesh, tuple(dt.placements)
-    for p in placements:
-        if type(p) not in (Shard, Replicate):
-            raise StateError(f"state key {path!r} is a DTensor with placement {p}; mpckpt stores Shard and Replicate "
-                             "placements: redistribute it (e.g. to Replicate or Shard(0)) before saving", key=path)
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise StateError(f"state key {path!r} is a DTensor on a device mesh this rank is not part of", key=path)
-    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
-    if tuple(local_shape) != tuple(dt._local_tensor.shape):
-        raise StateError(f"state key {path!r}: the DTensor's local shard has shape {tuple(dt._local_tensor.shape)}, "
-                         f"its placements say {tuple(local_shape)}", key=path)
-    writes = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
-    return ShardInfo(tuple(dt.shape), tuple(int(o) for o in offset), writes, mesh, placements, tuple(dt.stride()))
-
-
-# -- the way back ----------------------------------------------------------------------------
-
-def _index(value: Any, count: int, what: str) -> int:
-    """``value`` as an index into ``count`` items (never a negative one that Python would accept)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-        raise CorruptCheckpointError(f"{what} {str(value)[:40]!r} is not an index below {count}")
-    return value
-
-
-def _check_inside(shape: Any, stride: Any, start: int, available: int) -> None:
-    """A view of ``shape``/``stride`` from element ``start`` stays inside ``available`` elements
-    (checked here, not left to torch: meta tensors, which ``verify`` uses, do not check)."""
-    if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, *stride, start]):
-        raise ValueError("shape and stride must be lists of non-negative integers of one length")
-    if all(n > 0 for n in shape) and start + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) >= available:
-        raise ValueError(f"the view reaches past the {available} elements of its base")
-
-
-def build_tensors(table: list[dict[str, Any]], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rows of the tensor table as tensors, given the loaded leaves (original dtype/shape).
-
-    The leaves may be meta tensors: ``mpckpt verify`` checks the table without reading data.
-    """
-    if not isinstance(table, list):
-        raise CorruptCheckpointError("the tensor table is not a list")
-    out = []
-    for i, row in enumerate(table):
-        if not isinstance(row, dict):
-            raise CorruptCheckpointError(f"tensor table row {i} is not an object")
-        if "leaf" in row:
-            out.append(leaves[_index(row["leaf"], len(leaves), f"tensor table row {i}: leaf")])
-            continue
-        try:
-            # every view of one base shares the base's memory (its own, aligned: see restore)
-            base = leaves[_index(row["view_of"], len(leaves), f"tensor table row {i}: view_of")]
-            dtype = _dtypes.dtype_from_name(row["dtype"])
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            offset = row["byte_offset"]
-            if offset % itemsize:
-                raise ValueError("misaligned view")
-            usable = base.numel() - base.numel() % itemsize
-            typed = base[:usable].view(dtype)
-            _check_inside(row["shape"], row["stride"], offset // itemsize, typed.numel())
-            # as_strided takes an absolute storage offset (0 for a loaded base; kept general)
-            out.append(torch.as_strided(typed, row["shape"], row["stride"], typed.storage_offset() + offset // itemsize))
-        except (KeyError, ValueError, RuntimeError, IndexError, TypeError, OverflowError) as e:
-            raise CorruptCheckpointError(f"tensor table row {i} describes an invalid view ({e})") from e
-    return out
-
-
-PerRankHook = Callable[[int, Any, str], Any]
-
-
-def one_rank(number: int, value: Any, path: str) -> Any:
-    """A ``PerRank`` node of a single-process checkpoint, as ``mpckpt.load`` gives it: the list
-    of every rank's value (one)."""
-    return [value]
-
-
-def unflatten(node: Any, tensors: list[torch.Tensor], *, allow_pickle: bool = False, check_only: bool = False,
-              classes: bool = True, per_rank: PerRankHook = one_rank) -> Any:
-    """Rebuild the plain nested structure from a skeleton tree (never runs code unless opted in).
-
-    With ``check_only`` every node is checked and pickled values are only decoded, never
-    unpickled (``mpckpt verify``); no class is imported. With ``classes=False`` namedtuples,
-    dataclasses and Enum members come back as plain values, without importing their classes.
-    ``per_rank(number, value, path)`` gives what a ``PerRank`` node becomes (``one_rank``: a list).
-    """
-    try:
-        return _Unflattener(tensors, allow_pickle, check_only, classes, per_rank).node(node, "")
-    except RecursionError as e:
-        raise CorruptCheckpointError("the skeleton tree is nested too deeply") from e
-
-
-@dataclass
-class _Unflattener:
-    tensors: list[torch.Tensor]
-    allow_pickle: bool
-    check_only: bool
-    classes: bool
-    per_rank: PerRankHook
-
-    def node(self, node: Any, path: str) -> Any:
-        if isinstance(node, list):
-            return [self.node(x, _path(path, i)) for i, x in enumerate(node)]
-        if not isinstance(node, dict):
-            return node
-        tag = node.get(TAG)
-        try:
-            if tag == "dict":
-                return {k: self.node(v, _path(path, k)) for k, v in zip(node["k"], node["v"], strict=True)}
-            if tag == "tuple":
-                return tuple(self.node(x, _path(path, i)) for i, x in enumerate(node["v"]))
-            if tag in _values.TAGS:
-                return _values.decode(node, tag, path, _values.Reader(self.node, self.check_only, self.classes))
-            if tag == "tensor":
-                return self.tensors[_index(node["id"], len(self.tensors), "tensor id")]
-            if tag == "per_rank":
-                number = node["id"]
-                if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-                    raise ValueError(f"per_rank id {str(number)[:40]!r} is not a non-negative integer")
-                return self.per_rank(number, self.node(node["v"], path), path)
-            if tag == "float":
-                return float(node["v"])
-            if tag == "bytes":
-                return base64.b64decode(node["v"])
-            if tag == "dtype":
-                return _dtypes.dtype_from_name(node["v"])
-            if tag == "size":
-                return torch.Size(node["v"])
-            if tag == "device":
-                return torch.device(node["v"])
-            if tag == "pickle":
-                if self.check_only:
-                    base64.b64decode(node["v"], validate=True)
-                    return None
-                if not self.allow_pickle:
-                    raise StateError(
-                        f"this checkpoint holds a pickled value (state key {path or '<root>'!r}); loading it runs "
-                        "code from storage. Pass allow_pickle=True only if you trust where it came from", key=path
-                    )
-                return pickle.loads(base64.b64decode(node["v"]))
-        except (StateError, CorruptCheckpointError):
-            raise
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise CorruptCheckpointError(f"skeleton node {str(tag)[:40]!r} is malformed ({str(e)[:200]})") from e
-        raise CorruptCheckpointError(f"skeleton holds an unknown node {str(node)[:80]!r}")

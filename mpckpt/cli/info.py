@@ -141,7 +141,7 @@ def describe(doc: Any, manifest: Manifest, name: str) -> tuple[list[TensorInfo],
     import torch
 
     from mpckpt import _dtypes
-    from mpckpt._stage.snapshot import build_tensors, unflatten
+    from mpckpt._codec.tree import build_tensors, unflatten
 
     where = f"{name}/{SKELETON_NAME}"
     try:
@@ -186,7 +186,7 @@ class _Pickled:
 
 def _mark_pickles(node: Any) -> Any:
     """The tree with each pickle node replaced by a ``_Pickled`` (``unflatten`` passes it through)."""
-    from mpckpt._stage.snapshot import TAG
+    from mpckpt._codec.values import TAG
 
     if isinstance(node, list):
         return [_mark_pickles(x) for x in node]

@@ -55,7 +55,7 @@ import torch
 
 from mpckpt.errors import StateError
 
-TAG = "__mpckpt__"  # snapshot.TAG (snapshot imports this module, not the other way round)
+TAG = "__mpckpt__"  # the key that marks a tagged node in a skeleton tree
 
 # types the flattener stores itself: never asked about here
 PLAIN = frozenset({type(None), bool, int, float, str, bytes, bytearray, dict, list, tuple,
@@ -91,7 +91,8 @@ class Visitor(Protocol):
     def refuse(self, path: str, what: str, hint: str) -> None: ...
 
 
-def _path(parent: str, key: Any) -> str:
+def path_of(parent: str, key: Any) -> str:
+    """The dotted key path of ``key`` under ``parent`` (how errors and leaf names spell it)."""
     return f"{parent}.{key}" if parent else str(key)
 
 
@@ -123,7 +124,7 @@ def encode(f: Visitor, value: Any, path: str) -> Any:
         return _fields(f, value, path, "namedtuple", list(kind._fields), list(value))
     if kind is set or kind is frozenset:
         return f.container(value, path, lambda v, p: {
-            TAG: kind.__name__, "v": [f.visit(x, _path(p, i)) for i, x in enumerate(v)]})
+            TAG: kind.__name__, "v": [f.visit(x, path_of(p, i)) for i, x in enumerate(v)]})
     if kind in _PATHS.values():
         return {TAG: "path", "cls": kind.__name__, "v": str(value)}
     if kind is dt.timedelta:
@@ -184,7 +185,7 @@ def _fields(f: Visitor, value: Any, path: str, tag: str, names: list[str], items
     if ref is None:
         return NotImplemented
     return f.container(value, path, lambda v, p: {
-        TAG: tag, **ref, "k": names, "v": [f.visit(x, _path(p, n)) for n, x in zip(names, items, strict=True)]})
+        TAG: tag, **ref, "k": names, "v": [f.visit(x, path_of(p, n)) for n, x in zip(names, items, strict=True)]})
 
 
 def _enum(f: Visitor, value: enum.Enum, path: str) -> Any:
@@ -233,8 +234,8 @@ def decode(node: dict[str, Any], tag: str, path: str, r: Reader) -> Any:
     if tag in ("set", "frozenset", "odict"):
         if tag == "odict":
             return collections.OrderedDict(
-                (k, r.child(v, _path(path, k))) for k, v in zip(node["k"], node["v"], strict=True))
-        items = [r.child(x, _path(path, i)) for i, x in enumerate(_list(node["v"]))]
+                (k, r.child(v, path_of(path, k))) for k, v in zip(node["k"], node["v"], strict=True))
+        items = [r.child(x, path_of(path, i)) for i, x in enumerate(_list(node["v"]))]
         return set(items) if tag == "set" else frozenset(items)
     if tag in ("namedtuple", "dataclass", "enum"):
         return _decode_class(node, tag, path, r)
@@ -343,7 +344,7 @@ def _decode_class(node: dict[str, Any], tag: str, path: str, r: Reader) -> Any:
         names = [_str(k) for k in _list(node["k"])]
         if len(set(names)) != len(names):
             raise ValueError("a field name repeats")
-        items = [r.child(x, _path(path, n)) for n, x in zip(names, _list(node["v"]), strict=True)]
+        items = [r.child(x, path_of(path, n)) for n, x in zip(names, _list(node["v"]), strict=True)]
         if r.check_only or not r.classes:
             return dict(zip(names, items, strict=True))
     what, kind_ok = _KINDS[tag]
