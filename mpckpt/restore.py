@@ -49,6 +49,7 @@ from mpckpt._progress import reading_bar
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, FileEntry, Manifest
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
+from mpckpt.format.skeleton import MAX_SKELETON_BYTES, SKELETON_VERSION
 from mpckpt.storage import Backend
 
 _READ_CHUNK = 64 << 20    # largest ranged read into tensor memory
@@ -56,8 +57,6 @@ _STREAM_CHUNK = 16 << 20  # stream_verified's buffers (two: one is read while th
 _HEAD_BYTES = 64 << 10    # first read of a shard; holds the header unless it is a large one
 _SMALL = 1 << 20          # tensors smaller than this are read together and copied out
 _GATHER = 8 << 20         # most bytes one scratch read gathers
-SKELETON_VERSION = 1
-MAX_SKELETON_BYTES = 1 << 30  # 5M tensors' worth; a bigger one is not ours and is never allocated
 
 
 def _memory(t: torch.Tensor) -> memoryview:

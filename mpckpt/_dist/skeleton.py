@@ -29,12 +29,9 @@ from mpckpt._dtypes import dtype_name
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import rank_prefix, rank_skeleton_name
+from mpckpt.format.skeleton import KINDS, MAX_SKELETON_BYTES, RANK_SKELETON_VERSION
 from mpckpt.restore import read_verified
 from mpckpt.storage import Backend
-
-RANK_SKELETON_VERSION = 1
-KINDS = ("local", "replicated", "sharded")
-MAX_SKELETON_BYTES = 1 << 30
 
 
 def rank_skeleton_bytes(flat: Any, layout: Any, plan: Any, blocks: dict[str, list[str]], *, rank: int,

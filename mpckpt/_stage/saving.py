@@ -42,7 +42,7 @@ from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
-from mpckpt.restore import SKELETON_VERSION
+from mpckpt.format.skeleton import SKELETON_VERSION
 from mpckpt.storage import Backend
 
 
