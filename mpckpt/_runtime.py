@@ -9,6 +9,12 @@ becomes unreachable without ``close()`` (a notebook variable bound again, a scri
 program, wait for the checkpoints already saved (bounded by ``timeout_s``), log every failure
 nobody has seen (never swallowed), and free everything.
 
+It handles a save once the Checkpointer has checked its arguments: whether it is due (the
+trigger; after a preemption signal every save is, and synchronous; in a job one all_gather
+makes the ranks agree), warming shared memory on the first save that is not, the snapshot
+with the garbage collector paused; and the rules of ``report`` for a folder. What is opened
+for a root, and when opening is refused, is ``_opening``'s.
+
 In a multi-rank job (``group``) every rank holds all of that except the writer lock, which
 rank 0 takes in the collective open (``_dist.opening``); the committer commits through the
 job's store (``_dist.commit.StoreCoordinator``) and only rank 0 deletes.
@@ -33,9 +39,7 @@ import os
 import secrets
 import threading
 import time
-import traceback
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,7 +56,7 @@ from mpckpt._dist.commit import StoreCoordinator
 from mpckpt._dist.group import RankGroup
 from mpckpt._dist.opening import open_ranked
 from mpckpt._dist.plan import Planner
-from mpckpt._futures import CheckpointerStats
+from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena
@@ -61,7 +65,8 @@ from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import Recovered, read_manifest, recover, scan
-from mpckpt.config import Config
+from mpckpt.checkpoint import Checkpoint, local_files
+from mpckpt.config import Config, UploadMode
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
 from mpckpt.format.manifest import MANIFEST_NAME, Manifest
 from mpckpt.format.names import aside_name, checkpoint_name
@@ -73,15 +78,6 @@ log = logging.getLogger("mpckpt")
 
 _held: dict[str, str] = {}  # root URL -> where in the program its Checkpointer was opened
 _held_lock = threading.Lock()
-
-
-def caller_location() -> str:
-    """``file:line`` of the first frame outside mpckpt (where the user opened the Checkpointer)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(package):
-            return f"{frame.filename}:{frame.lineno}"
-    return "<unknown>"
 
 
 def acquire_writer_lock(backend: Backend, owner: str, where: str) -> WriterLock:
@@ -124,7 +120,9 @@ class Runtime:
         self.config = config
         self.group = group
         self.backend = backend
+        self.spec = spec
         self.preemption = preemption
+        self.warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
         self.closed = False
         self._reading: collections.Counter[int] = collections.Counter()
         self._reading_lock = threading.Lock()
@@ -157,9 +155,11 @@ class Runtime:
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
             self.pool.start()
-            budget = Budget(config, self.arena, self.ledger, self.pool, backend, on_wait=self.errors.raise_unseen,
-                            owns_staging=group is None)
-            self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend, self._stats)
+            # staging folders are the commit side's: staging is handed only the calls that make and
+            # remove them (in a job a dropped step's folder is the coordinator's to remove)
+            budget = Budget(config, self.arena, self.ledger, self.pool, on_wait=self.errors.raise_unseen,
+                            abort_staging=backend.abort if group is None else None)
+            self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend.prepare_staging, self._stats)
             if group is not None:
                 self.saver.planner = Planner(group)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
@@ -350,6 +350,97 @@ class Runtime:
             self._stats.peak_shm_bytes = self.arena.peak_bytes
         return self._stats
 
+    # -- saving (the Checkpointer has checked the arguments; ``started``: when its caller called) --
+    def save(self, step: int, state: Any, metrics: dict[str, Any], *, mode: UploadMode, overlap: bool | None,
+             force: bool, started: float) -> SaveFuture | None:
+        """Snapshot ``state`` as checkpoint ``step`` if due (see ``Checkpointer.save``)."""
+        now = time.monotonic()
+        preempted, due = self.preemption.preempted, force or self.schedule.due(step, now)
+        if self.group is not None and (self.schedule.timed or self.preemption.signals):
+            # the clock and signals differ per rank: one small collective makes every rank agree
+            flags = self.group.all_gather((due, preempted))
+            due, preempted = flags[0][0], any(p for _, p in flags)
+        if preempted:  # the job is about to be stopped: this save is the last one
+            force, mode, overlap = True, UploadMode.SYNC, False
+        if not force and not due:
+            if not self.warmed:
+                self._warm_in_background(state)
+            return None
+        self.saver.barrier()
+        overlap = self.config.overlap if overlap is None else bool(overlap)
+        # A save allocates an object or two per tensor and creates no cycles: a collection
+        # triggered in here would scan every live tensor on the training thread's time.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            future = self.saver.save(step, state, metrics, overlap=overlap and mode is UploadMode.ASYNC)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if future.stats.status != "skipped":
+            self.schedule.saved(step, now)
+        return self._returned(future, mode, started)
+
+    def should_save(self, step: Any, check_step: Callable[[Any], int]) -> bool:
+        """After a preemption signal always (``step`` unchecked); otherwise as the trigger says."""
+        return self.preemption.preempted or self.schedule.due(check_step(step), time.monotonic())
+
+    def report(self, step: int | None, metrics: dict[str, Any], checkpoint: Any, *, mode: UploadMode,
+               delete_local: bool | None, started: float, check_step: Callable[[Any], int]) -> SaveFuture | None:
+        """Record ``metrics``; with ``checkpoint``, commit its folder (see ``Checkpointer.report``).
+
+        ``check_step``: the caller's check of the step, run after the refusals of the folder.
+        """
+        if step is None:
+            last = self.ledger.last_step
+            step = int(metrics["step"]) if "step" in metrics else (0 if last is None else last + 1)
+        if checkpoint is None:
+            self._stats.reported.append({"step": step, **metrics})
+            return None
+        if self.group is not None:
+            raise ConfigError("report(checkpoint=...) uploads files one process wrote; in a multi-rank job save the "
+                              "state with save(step, state) on every rank, or upload the folder from a single process")
+        if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
+            raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
+        step = check_step(step)
+        files = local_files(checkpoint.path, links=mode is not UploadMode.NO_UPLOAD)
+        if delete_local is None:  # deleted after an ASYNC upload, kept after a SYNC one
+            delete_local = mode is UploadMode.ASYNC
+        if mode is UploadMode.NO_UPLOAD and self.spec.scheme != "file":
+            raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.backend.url}; with a remote root use "
+                              "ASYNC or SYNC")
+        stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(checkpoint.path, f)) for f in files))
+        record = self.directories.report(step, checkpoint.path, files, metrics, stats,
+                                         upload=mode is not UploadMode.NO_UPLOAD, delete_local=delete_local)
+        return self._returned(record.future, mode, started)
+
+    def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
+        """Wait for the commit unless ASYNC; record how long the caller was blocked."""
+        if mode is not UploadMode.ASYNC:
+            future.result(self.wait_s)
+        future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
+        return future
+
+    def prepare(self, state: Any) -> int:
+        """Make and touch shared memory for the first save of ``state`` now; the bytes reserved."""
+        need = self.saver.slab_bytes_for(state)
+        # two slabs: the first save's, and the spare the next save uses while it uploads
+        assert self.arena is not None
+        self.arena.reserve(need, count=2)
+        self.warmed = True
+        return need
+
+    def _warm_in_background(self, state: Any) -> None:
+        """The first save a trigger says is not due: make the first slab in the background.
+
+        Creating and touching shared memory is most of a first save that nobody prepared
+        for (the kernel allocates every page); a loop with a trigger shows its state long
+        before the first due step, so that work runs beside training instead.
+        """
+        self.warmed = True
+        assert self.arena is not None
+        self.arena.ensure_spare(self.saver.slab_bytes_for(state))
+
     # -- closing -----------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> None:
         """Block until every pending checkpoint is committed or failed and retention has deleted."""
@@ -463,10 +554,3 @@ class StorageView:
         self.closed = True
 
     release_unclosed = close
-
-
-def finalizer_for(owner: Any, runtime: Runtime) -> Any:
-    """Run ``runtime.release_unclosed`` when ``owner`` is collected (the atexit side is the runtime's)."""
-    fin = weakref.finalize(owner, runtime.release_unclosed)
-    fin.atexit = False
-    return fin

@@ -3,8 +3,11 @@
 It validates what the caller passes (steps, metrics, modes), holds the public API, and
 delegates everything else to the ``Runtime`` it opens, which never refers back to it:
 
-    save    -> _stage.saving.Snapshotter (layout, budget, reuse, copy) -> _upload.pool
-    report  -> _upload.directory.DirectoryUploads                      -> _upload.pool
+    open    -> _opening.open_root (read-only or writing, one process or a job: what may open)
+               -> _runtime.Runtime, or _runtime.StorageView when read-only
+    save    -> Runtime.save (due, preempted, warming) -> _stage.saving.Snapshotter (layout, budget,
+               reuse, copy) -> _upload.pool
+    report  -> Runtime.report (the folder's rules) -> _upload.directory.DirectoryUploads -> _upload.pool
             -> _commit.ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
     queries -> catalog.Catalog over the ledger's committed checkpoints
     errors  -> _commit.sink.ErrorSink
@@ -27,25 +30,21 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mpckpt._apply import apply_state, init_optimizer_state
-from mpckpt._dist.group import RankGroup
 from mpckpt._dist.reading import load_ranked_for, shard_like_live
 from mpckpt._futures import CheckpointerStats, SaveFuture
-from mpckpt._preemption import PreemptionWatch, parse_signals
-from mpckpt._runtime import Runtime, StorageView, caller_location, finalizer_for
-from mpckpt._stage.copier import estimate_state_bytes
+from mpckpt._opening import open_root
+from mpckpt._runtime import Runtime, StorageView
 from mpckpt._stage.snapshot import flatten
 from mpckpt.catalog import Catalog, load, load_newest  # noqa: F401 -- load: mpckpt.load, kept importable here
-from mpckpt.checkpoint import Checkpoint, local_files
-from mpckpt.config import BudgetPolicy, Config, UploadMode, fit_budget_to_shm
+from mpckpt.checkpoint import Checkpoint
+from mpckpt.config import BudgetPolicy, Config, UploadMode
 from mpckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -60,7 +59,6 @@ from mpckpt.format.manifest import checkpoint_name
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.policies.triggers import Trigger
 from mpckpt.restore import load_checkpoint, verify_checkpoint
-from mpckpt.storage import open_backend, spec_for_url
 
 log = logging.getLogger("mpckpt")
 _VERIFY_OLDER = 3  # older checkpoints read to say which one is intact, when the newest does not verify
@@ -99,37 +97,18 @@ class Checkpointer:
             start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
             uploader_priority=uploader_priority,
         )
-        signals = parse_signals(preemption)
-        self._spec = spec_for_url(root, dict(storage_options or {}), direct_io=self.config.direct_io)
-        backend = open_backend(self._spec)
-        self._warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
-        if read_only is True:
-            writing = {"keep": keep, "keep_last": keep_last, "trigger": trigger, "preemption": signals or None,
-                       "validate": validate}
-            given = [name for name, value in writing.items() if value is not None]
-            if given:
-                raise ConfigError(f"read_only=True with {', '.join(given)}: a read-only Checkpointer never saves "
-                                  "or deletes; leave those to the Checkpointer that writes")
-            self._rt: Runtime | StorageView = StorageView(self.config, backend)
-            self._finalizer = None
-            return
-        if read_only is not False:
-            raise ConfigError(f"read_only={read_only!r} must be True or False")
-        group = RankGroup.detect(process_group)
-        if group is not None and group.world_size > 1 and getattr(backend, "process_local", False):
-            raise ConfigError(f"{backend.url} lives in this process's memory, where the other ranks of the job cannot "
-                              "see it; give a multi-rank job a root every rank reaches (a shared path, s3://, az://)")
-        if group is not None and validate is not None:
-            raise ConfigError("validate= is not available in a multi-rank job yet; validate the committed checkpoints "
-                              "from one process (mpckpt.load(root) gives the whole state), or save from one process")
-        backend.check_writable()
-        self.config = fit_budget_to_shm(self.config)
-        # Everything the Checkpointer holds lives in the runtime, which never refers back to
-        # it: so an unclosed Checkpointer that nobody references can be finalized.
-        self._rt = Runtime(self.config, self._spec, backend, environ=dict(os.environ),
-                           owner=_lock_owner(group), where=caller_location(),
-                           pin=_cuda_available(), preemption=PreemptionWatch(signals), group=group)
-        self._finalizer = finalizer_for(self, self._rt)
+        opened = open_root(self, root, self.config, storage_options=storage_options, preemption=preemption,
+                           read_only=read_only, process_group=process_group, keep=keep, keep_last=keep_last,
+                           trigger=trigger, validate=validate)
+        self.config, self._spec = opened.config, opened.spec  # writing: the budget fitted to /dev/shm
+        # the runtime never refers back to this Checkpointer: an unclosed one nobody holds is finalized
+        self._rt: Runtime | StorageView = opened.runtime
+        self._finalizer = opened.finalizer
+
+    @property
+    def _warmed(self) -> bool:
+        """Shared memory was made ahead for the first save (``prepare``, or a save not due yet)."""
+        return isinstance(self._rt, Runtime) and self._rt.warmed
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -219,46 +198,12 @@ class Checkpointer:
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
         step = self._check_step(step)
-        metrics = _check_metrics(metrics)
-        now = time.monotonic()
-        preempted, due = rt.preemption.preempted, force or rt.schedule.due(step, now)
-        if rt.group is not None and (rt.schedule.timed or rt.preemption.signals):
-            # the clock and signals differ per rank: one small collective makes every rank agree
-            flags = rt.group.all_gather((due, preempted))
-            due, preempted = flags[0][0], any(p for _, p in flags)
-        if preempted:  # the job is about to be stopped: this save is the last one
-            force, mode, overlap = True, UploadMode.SYNC, False
-        if not force and not due:
-            if not self._warmed:
-                self._warm_in_background(state)
-            return None
-        self.snapshot_barrier()
-        overlap = self.config.overlap if overlap is None else bool(overlap)
-        # A save allocates an object or two per tensor and creates no cycles: a collection
-        # triggered in here would scan every live tensor on the training thread's time.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            future = rt.saver.save(step, state, metrics, overlap=overlap and mode is UploadMode.ASYNC)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        if future.stats.status != "skipped":
-            rt.schedule.saved(step, now)
-        return self._returned(future, mode, started)
-
-    def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
-        """Wait for the commit unless ASYNC; record how long the caller was blocked."""
-        if mode is not UploadMode.ASYNC:
-            future.result(self._rt.wait_s)
-        future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
-        return future
+        return rt.save(step, state, _check_metrics(metrics), mode=mode, overlap=overlap, force=force, started=started)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save now (always True without a ``trigger``, and after a
         preemption signal)."""
-        rt = self._writer()
-        return rt.preemption.preempted or rt.schedule.due(self._check_int(step), time.monotonic())
+        return self._writer().should_save(step, self._check_int)
 
     def snapshot_barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying.
@@ -287,28 +232,8 @@ class Checkpointer:
         started = time.perf_counter()
         rt = self._writer()
         mode = _mode(mode)
-        metrics = _check_metrics(metrics)
-        if step is None:
-            last = rt.ledger.last_step
-            step = int(metrics["step"]) if "step" in metrics else (0 if last is None else last + 1)
-        if checkpoint is None:
-            self.stats.reported.append({"step": step, **metrics})
-            return None
-        if rt.group is not None:
-            raise ConfigError("report(checkpoint=...) uploads files one process wrote; in a multi-rank job save the "
-                              "state with save(step, state) on every rank, or upload the folder from a single process")
-        if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
-            raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
-        step = self._check_step(step)
-        files = local_files(checkpoint.path, links=mode is not UploadMode.NO_UPLOAD)
-        if delete_local_after_upload is None:
-            delete_local_after_upload = mode is UploadMode.ASYNC
-        if mode is UploadMode.NO_UPLOAD and self._spec.scheme != "file":
-            raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.url}; with a remote root use ASYNC or SYNC")
-        future = rt.directories.report(step, checkpoint.path, files, metrics,
-                                             upload=mode is not UploadMode.NO_UPLOAD,
-                                             delete_local=delete_local_after_upload)
-        return self._returned(future, mode, started)
+        return rt.report(step, _check_metrics(metrics), checkpoint, mode=mode, delete_local=delete_local_after_upload,
+                         started=started, check_step=self._check_step)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed, and every pending
@@ -398,34 +323,7 @@ class Checkpointer:
         reserves what this rank writes (its shards, its share of the replicated tensors), which
         the first call for a state shape agrees with the other ranks: every rank calls it.
         """
-        rt = self._writer()
-        need = self._slab_bytes_for(state)
-        # two slabs: the first save's, and the spare the next save uses while it uploads
-        assert rt.arena is not None
-        rt.arena.reserve(need, count=2)
-        self._warmed = True
-        return need
-
-    def _slab_bytes_for(self, state: Any) -> int:
-        rt = self._writer()
-        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=rt.saver.memo,
-                       distributed=rt.group is not None)
-        need = estimate_state_bytes(state, flat)
-        if rt.saver.planner is not None:  # a rank of a job writes only its part (the plan save uses too)
-            need -= sum(flat.leaves[i].nbytes for i in rt.saver.planner.plan(flat).skip)
-        return min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
-
-    def _warm_in_background(self, state: Any) -> None:
-        """The first ``save`` a trigger says is not due: make the first slab in the background.
-
-        Creating and touching shared memory is most of a first save that nobody prepared
-        for (the kernel allocates every page); a loop with a trigger shows its state long
-        before the first due step, so that work runs beside training instead.
-        """
-        self._warmed = True
-        arena = self._writer().arena
-        assert arena is not None
-        arena.ensure_spare(self._slab_bytes_for(state))
+        return self._writer().prepare(state)
 
     # -- reading ----------------------------------------------------------------------------------
     @property
@@ -669,25 +567,3 @@ def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(metrics, Mapping):
         raise ConfigError(f"metrics must be a dict of names to numbers, got {type(metrics).__name__}")
     return {str(k): (v.item() if hasattr(v, "item") and callable(v.item) else v) for k, v in metrics.items()}
-
-
-def _lock_owner(group: RankGroup | None) -> str:
-    """Who holds the root's writer lock, as the lock records it.
-
-    A job that torchrun restarts (``--max-restarts``) opens the root again from new
-    processes while the lease of the attempt that died may still be valid on an object
-    store: its rank 0 then names itself by the job (the run id and the rendezvous endpoint,
-    the same for every attempt of one job and different for any other job), and a lease of
-    the same owner is taken over. Anywhere else the owner is the process.
-    """
-    env = os.environ
-    if group is not None and "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env:
-        return (f"rank 0 of torchrun job {env['TORCHELASTIC_RUN_ID']} at {env['MASTER_ADDR']}:"
-                f"{env.get('MASTER_PORT', '')} on {socket.gethostname()}")
-    return f"pid {os.getpid()} on {socket.gethostname()}"
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -11,6 +11,9 @@ background for the next save, while this one uploads). If not, the policy decide
   slab comes back), then take; if there is none, wait as ``block`` does.
 
 Later waves of a state larger than the budget always wait for the previous wave's uploads.
+
+Staging folders are the commit side's: a coalesced checkpoint's folder is removed through the
+``abort_staging`` the runtime hands in; nothing here touches storage.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from mpckpt._stage.arena import Arena, Slab
 from mpckpt._stage.layout import Layout
 from mpckpt._upload.pool import UploaderPool
 from mpckpt.config import BudgetPolicy, Config
-from mpckpt.storage import Backend
 
 
 @dataclass(eq=False)
@@ -34,11 +36,11 @@ class Budget:
     arena: Arena
     ledger: Ledger
     pool: UploaderPool
-    backend: Backend
     on_wait: Callable[[], None]  # called while waiting for memory: raises unseen background failures
-    # whether a coalesced checkpoint's staging folder is this process's to remove (in a
-    # multi-rank job the folder is every rank's: the coordinator removes it once the step is dropped)
-    owns_staging: bool = True
+    # removes a coalesced checkpoint's staging folder; None when it is not this process's to
+    # remove (in a multi-rank job the folder is every rank's: the coordinator removes it once
+    # the step is dropped)
+    abort_staging: Callable[[str], None] | None = None
 
     def take_first(self, layout: Layout) -> Slab | None:
         """The slab of the first wave, or None when the policy is ``skip`` and the budget is full."""
@@ -73,6 +75,6 @@ class Budget:
             if self.pool.cancel(record.seq):
                 for slab in self.ledger.drop(record, "coalesced"):
                     self.arena.release(slab)
-                if self.owns_staging:
-                    self.backend.abort(record.staging)
+                if self.abort_staging is not None:
+                    self.abort_staging(record.staging)
                 return

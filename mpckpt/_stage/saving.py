@@ -15,8 +15,8 @@ for ranged reads, and its skeleton is its own (``_dist.skeleton``).
 
 Nothing here touches storage: the jobs carry the checkpoint's staging path (or, for a frozen
 shard, its new path in ``shared/``: ``reuse``), which the pool's dispatcher thread makes
-before the first of them is sent (``Backend.prepare_staging``), and the committer writes the
-skeleton and the manifest.
+before the first of them is sent (through the ``prepare_staging`` the runtime hands in:
+staging folders are the commit side's), and the committer writes the skeleton and the manifest.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from mpckpt._dist.skeleton import rank_skeleton_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
-from mpckpt._stage.copier import copy_wave
+from mpckpt._stage.copier import copy_wave, estimate_state_bytes
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
@@ -43,7 +44,6 @@ from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
 from mpckpt.format.skeleton import SKELETON_VERSION
-from mpckpt.storage import Backend
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class Snapshotter:
     ledger: Ledger
     budget: Budget
     pool: UploaderPool
-    backend: Backend
+    prepare_staging: Callable[[str], None]  # makes a checkpoint's staging folder (the commit side's)
     stats: CheckpointerStats
     layouts: LayoutCache = field(init=False)
     frozen: FrozenShards = field(init=False)
@@ -110,6 +110,16 @@ class Snapshotter:
             else:
                 self._snapshot_eager(record, flat, layout, first, reuse)
         return record.future
+
+    def slab_bytes_for(self, state: Any) -> int:
+        """The shared memory the first save of ``state`` takes (in a job: this rank's part), with a
+        little room, at most the budget: what ``prepare`` and warming make ahead."""
+        flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo,
+                       distributed=self.planner is not None)
+        need = estimate_state_bytes(state, flat)
+        if self.planner is not None:  # a rank of a job writes only its part (the plan save uses too)
+            need -= sum(flat.leaves[i].nbytes for i in self.planner.plan(flat).skip)
+        return min(int(need * 1.02) + (4 << 20), self.config.memory_budget_bytes)
 
     def barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying (see ``overlap``)."""
@@ -179,7 +189,7 @@ class Snapshotter:
                                   shard.offset, shard.nbytes, shard.header,
                                   BLOCK_BYTES if self.planner is not None else 0), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
-            for shard in shards), before=lambda: self.backend.prepare_staging(record.staging))
+            for shard in shards), before=lambda: self.prepare_staging(record.staging))
 
 
 def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:

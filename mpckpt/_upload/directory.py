@@ -7,16 +7,17 @@ uploader pool, and the local folder is deleted after the commit when asked; ``NO
 backend, hashing each file first, so the commit is a rename and nothing is copied.
 
 Which files are taken (regular files only, never through a link that leaves the folder) is
-decided by ``checkpoint.local_files`` before the record is opened.
+decided by ``checkpoint.local_files`` before the record is opened. The caller (the runtime)
+makes the save's ``SaveStats`` and gets the ledger's record back, whose future it returns.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
-from mpckpt._commit.ledger import Ledger
-from mpckpt._futures import SaveFuture, SaveStats
+from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import UploadJob, file_digest
 from mpckpt.config import Config
@@ -34,10 +35,10 @@ class DirectoryUploads:
         self.pool = pool
         self.backend = backend
 
-    def report(self, step: int, folder: str, files: list[str], metrics: dict[str, object], *,
-               upload: bool, delete_local: bool) -> SaveFuture:
-        """Commit ``files`` of ``folder`` as checkpoint ``step``: uploaded, or moved (``upload=False``)."""
-        stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(folder, f)) for f in files))
+    def report(self, step: int, folder: str, files: list[str], metrics: dict[str, object], stats: Any, *,
+               upload: bool, delete_local: bool) -> Pending:
+        """Commit ``files`` of ``folder`` as checkpoint ``step``, its figures in ``stats`` (a
+        ``SaveStats``): uploaded, or moved (``upload=False``). Returns the ledger's record."""
         with self.ledger.recording(step, "directory", stats, dict(metrics)) as record:
             if upload:
                 self.ledger.add_jobs(record, len(files))
@@ -57,4 +58,4 @@ class DirectoryUploads:
                 self.backend.adopt_folder(folder, f"{record.staging}/{USER_FILES.rstrip('/')}")
             record.stats.written_bytes = record.stats.bytes
             self.ledger.all_submitted(record)
-        return record.future
+        return record
