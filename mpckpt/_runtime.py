@@ -36,7 +36,6 @@ import functools
 import gc
 import logging
 import os
-import secrets
 import threading
 import time
 import warnings
@@ -46,8 +45,8 @@ from typing import Any
 from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import Coordinator, SingleProcess
 from mpckpt._commit.deleter import Deleter
+from mpckpt._commit.deletion import Deletions
 from mpckpt._commit.ledger import Ledger, Pending
-from mpckpt._commit.shared import deletion_blockers
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._commit.validation import Validator
 from mpckpt._commit.validation import prepare as prepare_validation
@@ -67,9 +66,9 @@ from mpckpt._upload.pool import UploaderPool
 from mpckpt.catalog import Recovered, read_manifest, recover, scan
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import Config, UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError, StepOrderError
-from mpckpt.format.manifest import MANIFEST_NAME, Manifest
-from mpckpt.format.names import aside_name, checkpoint_name
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError
+from mpckpt.format.manifest import Manifest
+from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
@@ -176,6 +175,9 @@ class Runtime:
                                        retention=config.retention, on_forget=self.saver.frozen.forget_folder,
                                        let_go=self.saver.frozen.let_go, validating=self.validator is not None,
                                        held=self._in_use, deletes=group is None or group.rank == 0)
+            self.deletions = Deletions(self.ledger, backend, self.saver.frozen, self.deleter,
+                                       self.committer.retention_lock, self.validator, self.damaged,
+                                       config.timeout_s, wait=self.wait, raise_unseen=self.errors.raise_unseen)
             if self.validator is not None:
                 self.validator.resume(self.ledger.committed())
             preemption.install()
@@ -236,98 +238,16 @@ class Runtime:
         return self.ledger.latest_step()
 
     def set_aside(self, steps: list[int], *, move: bool = True) -> list[str]:
-        """Move the damaged checkpoints of ``steps`` (newer than the one a restore went back to)
-        out of the way, whole, to ``damaged.step_<step>.<UTC time>``; return those names.
-
-        Nothing is deleted: what they hold stays for a look (and the shared files they list stay
-        with them), but they are no longer checkpoints, so the run saves those steps again. In a
-        job only rank 0 moves (``move``); every rank's ledger lets the steps go.
-        """
-        committed = self.ledger.committed()
-        self.ledger.set_aside(steps)  # first: refused while saves are pending
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
-        moved = []
-        for step in sorted(steps, reverse=True):
-            name, aside = checkpoint_name(step), aside_name(step, stamp)
-            self.saver.frozen.forget_folder(name)
-            if step in committed:  # its shared files stay: the moved manifest lists them
-                self.saver.frozen.let_go([committed[step]])
-            self.damaged.pop(step, None)
-            if move:
-                self.backend.set_aside(name, aside)
-                log.warning("mpckpt: moved the damaged checkpoint of step %d to %s/%s (kept for a look; delete it "
-                            "when done); step %d will be saved again", step, self.backend.url, aside, step)
-            moved.append(aside)
-        return moved
+        return self.deletions.set_aside(steps, move=move)  # see Deletions.set_aside
 
     def discard_after(self, step: int) -> list[int]:
-        """Delete the committed checkpoints newer than ``step``, now, so saving goes on from it."""
-        self.wait(self.config.timeout_s)
-        self.errors.raise_unseen()
-        committed = self.ledger.committed()
-        newer = self.ledger.discard_after(step)
-        names = [checkpoint_name(s) for s in newer]
-        for name in names:  # later checkpoints reference earlier files, never the reverse
-            self.saver.frozen.forget_folder(name)
-        shared = self.saver.frozen.let_go([committed[s] for s in newer if s in committed])
-        if names:
-            log.info("mpckpt: going on from step %d: deleting the newer checkpoints %s", step, newer)
-            assert self.deleter is not None
-            self.deleter.delete(names, shared=shared)
-            self.deleter.drain(timeout_s=self.config.timeout_s)
-        return newer
+        return self.deletions.discard_after(step)  # see Deletions.discard_after
 
     def delete(self, steps: list[int], *, damaged: bool) -> None:
-        """Delete these checkpoints now (see ``Checkpointer.delete``); refused as a whole or done."""
-        committed = self.ledger.committed()
-        unknown = sorted(s for s in steps if s not in committed and s not in self.damaged)
-        if unknown:
-            raise CheckpointNotFoundError(f"no checkpoint of step {unknown[0]} in {self.backend.url}; committed "
-                                          f"steps: {sorted(committed)[-20:]}")
-        bad = sorted(s for s in steps if s in self.damaged)
-        if bad and not damaged:
-            raise ConfigError(f"the checkpoints of steps {bad} in {self.backend.url} are damaged, and mpckpt keeps "
-                              f"them since they may be recoverable (mpckpt verify says why); pass damaged=True to "
-                              "delete them")
-        if self.ledger.latest_step() in steps and self.ledger.pending():
-            raise StepOrderError(f"step {self.ledger.latest_step()} is the newest checkpoint and saves are still "
-                                 "pending; wait() for them before deleting it")
-        validating = sorted(set(steps) & (self.validator.in_flight() if self.validator is not None else set()))
-        if validating:
-            raise StepOrderError(f"the checkpoints of steps {validating} are being validated (validate=); wait() for "
-                                 "their validations before deleting them")
-        blockers = deletion_blockers(committed, steps)
-        if blockers:
-            step, users = min(blockers.items())
-            raise ConfigError(f"the checkpoints of steps {users} read files in the folder of step {step} (written "
-                              f"by an mpckpt before shared files); delete them with it, or keep it")
-        going = sorted(s for s in steps if s in committed)
-        names = [checkpoint_name(s) for s in sorted(set(steps), reverse=True)]  # a referencing one first
-        for name in names:
-            self.saver.frozen.forget_folder(name)
-        self.ledger.forget(going)
-        shared = self.saver.frozen.let_go([committed[s] for s in going])
-        for s in steps:
-            self.damaged.pop(s, None)
-        log.info("mpckpt: deleting the checkpoints of steps %s in %s", sorted(set(steps)), self.backend.url)
-        for name in names:  # here, not on the deleter: a failure is the caller's to see
-            self.backend.delete(name)
-        for path in shared:  # INVARIANT: only once no folder that lists them is left
-            self.backend.delete_file(path)
+        self.deletions.delete(steps, damaged=damaged)  # see Deletions.delete (refusals: deletion.refuse)
 
     def forget_deleted(self) -> list[int]:
-        """Stop listing committed checkpoints whose manifest is gone from storage (deleted by
-        someone else: a framework's retention, ``mpckpt rm``); the newest is always kept."""
-        latest = self.ledger.latest_step()
-        gone = [s for s in sorted(self.ledger.committed())
-                if s != latest and not self.backend.exists(f"{checkpoint_name(s)}/{MANIFEST_NAME}")]
-        if gone:
-            assert self.committer is not None
-            with self.committer.retention_lock:
-                for step in gone:
-                    self.saver.frozen.forget_folder(checkpoint_name(step))
-                self.ledger.forget(gone)
-        return gone
+        return self.deletions.forget_deleted()  # see Deletions.forget_deleted
 
     def _opened(self, record: Pending) -> None:
         self._stats.saves.append(record.stats)

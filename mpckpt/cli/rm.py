@@ -2,16 +2,18 @@
 
 It takes the writer lock, as ``gc`` does, so it never deletes beside a live trainer (that
 process deletes with ``ckpt.delete(step)``); a held lock is an error naming its holder.
-Everything is checked before anything is deleted, and the command is refused as a whole
-(status 2) for a step that is not there (the message lists those there are), a damaged one
+Everything is checked before anything is deleted, by the checks ``ckpt.delete`` makes
+(``_commit.deletion.refuse``), and the command is refused as a whole ("nothing deleted: ",
+status 2) for a step that is not there (the message lists those there are), a damaged one
 without ``--damaged`` (damaged checkpoints are otherwise never deleted: they may be
 recoverable), and a folder that a checkpoint staying behind reads files from (roots written
 before shared files; delete that one with it). The newest checkpoint may be deleted too.
 
-Then each folder goes, newest first and manifest first (a reader never finds one half
-deleted), and last the files in ``shared/`` that no checkpoint lists any more, as ``gc``
-removes them (``_commit.shared``): a frozen shard another checkpoint lists stays. A deletion
-that fails is status 1, and its shared files are kept for the next ``rm`` or ``gc``.
+Then each folder goes, newest first (``deletion.newest_first``) and manifest first (a reader
+never finds one half deleted), and last the files in ``shared/`` that no checkpoint lists any
+more, as ``gc`` removes them (``_commit.shared``): a frozen shard another checkpoint lists
+stays. A deletion that fails is status 1, and its shared files are kept for the next ``rm``
+or ``gc``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from mpckpt._commit.shared import collect_orphans, deletion_blockers
+from mpckpt._commit.deletion import Asker, newest_first, refuse
+from mpckpt._commit.shared import collect_orphans
 from mpckpt.cli._common import (
     BadArguments,
     backend_for,
@@ -53,22 +56,13 @@ def _remove(backend: Backend, root: str, steps: list[int], *, damaged: bool) -> 
     committed, problems = scan_quietly(backend)
     if not committed and not problems:
         raise BadArguments(f"nothing deleted: {no_checkpoint_text(backend)}")
-    unknown = [s for s in steps if s not in committed and s not in problems]
-    if unknown:
-        raise BadArguments(f"nothing deleted: no checkpoint of step {unknown[0]} in {backend.url}; "
-                           f"{steps_there(committed)}")
-    bad = [s for s in steps if s in problems]
-    if bad and not damaged:
-        raise BadArguments(f"nothing deleted: step {bad[0]} is damaged ({problems[bad[0]]}); damaged checkpoints "
-                           "are kept since they may be recoverable: pass --damaged to delete it")
-    blockers = deletion_blockers(committed, steps)
-    if blockers:
-        step, users = min(blockers.items())
-        raise BadArguments(f"nothing deleted: steps {users} read files in the folder of step {step} (written by an "
-                           f"mpckpt before shared files); delete them with it (mpckpt rm {root} {step} "
-                           f"{' '.join(map(str, users))}), or keep it")
+    asker = Asker("--damaged", there=steps_there, command=f"mpckpt rm {root}")
+    try:  # the writer lock is held: nothing is pending or being validated
+        refuse(steps, committed, problems, url=backend.url, allow_damaged=damaged, asker=asker)
+    except MpckptError as e:
+        raise BadArguments(f"nothing deleted: {e}") from e
     failed = False
-    for step in reversed(steps):  # newest first: one that reads an older folder goes before it
+    for step in newest_first(steps):
         try:
             backend.delete(checkpoint_name(step))
         except MpckptError as e:
