@@ -1,13 +1,13 @@
 """Descriptor-level file operations of the local backend, none of which follows a link.
 
-This module owns the low-level half of ``local.py``: the open flags (``O_NOFOLLOW`` on every
+This module owns the low-level half of the local backend: the open flags (``O_NOFOLLOW`` on every
 component below the root, ``O_NONBLOCK`` so a FIFO never blocks a read), the translation of
 ``OSError`` into the ``mpckpt.errors`` tree and of a wrong kind of file into a refusal that
 never says where a link points, creating a fresh file in place of whatever was there (never
 writing through it), whole-buffer ``pwrite`` and bounded reads, descriptor-by-descriptor
 ``rm -r``, and the ``flock`` writer lock. It knows nothing of checkpoints, roots or
-commit protocols; ``LocalBackend`` walks paths and decides, these helpers only act on
-descriptors it has opened.
+commit protocols; ``RootWalk`` (``_localwalk.py``) walks paths, ``LocalBackend`` (``local.py``)
+decides, and these helpers only act on descriptors they have opened.
 """
 
 from __future__ import annotations
