@@ -44,7 +44,7 @@ _WHERE = {
     "UploadMode": "mpckpt.config",
     "Checkpoint": "mpckpt.checkpoint",
     "Checkpointer": "mpckpt.checkpointer",
-    "load": "mpckpt.catalog",
+    "load": "mpckpt._read.view",
     "KeepBest": "mpckpt.policies",
     "KeepEvery": "mpckpt.policies",
     "KeepInterval": "mpckpt.policies",

@@ -1,7 +1,7 @@
 """Opening a root: the rules that decide what a Checkpointer holds.
 
 ``open_root`` takes the checked configuration and the root, and gives back what the facade
-keeps. Read-only, it opens a ``StorageView`` and refuses every option that writes
+keeps. Read-only, it opens a ``_read.view.StorageView`` and refuses every option that writes
 (retention, a trigger, preemption signals, ``validate=``). Writing, it refuses what a job of
 several ranks cannot do (a root in this process's memory, ``validate=``), checks that the root
 is writable, fits the memory budget to the free space of /dev/shm, and opens the ``Runtime``
@@ -22,7 +22,8 @@ from typing import Any
 
 from mpckpt._dist.group import RankGroup
 from mpckpt._preemption import PreemptionWatch, parse_signals
-from mpckpt._runtime import Runtime, StorageView
+from mpckpt._read.view import StorageView
+from mpckpt._runtime import Runtime
 from mpckpt.config import Config, fit_budget_to_shm
 from mpckpt.errors import ConfigError
 from mpckpt.policies.retention import RetentionPolicy
@@ -59,7 +60,7 @@ def open_root(owner: object, root: str | os.PathLike[str], config: Config, *,
         if given:
             raise ConfigError(f"read_only=True with {', '.join(given)}: a read-only Checkpointer never saves "
                               "or deletes; leave those to the Checkpointer that writes")
-        return Opened(config, spec, StorageView(config, backend), None)
+        return Opened(config, spec, StorageView(backend, config.timeout_s), None)
     if read_only is not False:
         raise ConfigError(f"read_only={read_only!r} must be True or False")
     group = RankGroup.detect(process_group)

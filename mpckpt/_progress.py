@@ -2,9 +2,9 @@
 
 This module owns when loading shows a bar and how it looks. Every read path opens one with
 ``reading_bar(total_bytes, desc)`` and reports the bytes as they arrive with ``update(n)``,
-from any of its reading threads, then ``close()``: ``restore._read_leaves`` (a checkpoint
+from any of its reading threads, then ``close()``: ``_read.whole`` (a checkpoint
 one process saved: ``mpckpt.load``, ``Checkpointer.load`` and ``restore``, ``mpckpt
-export``) and ``_dist.reading._Reader.run`` (one the ranks of a job saved, read whole or
+export``) and ``_read.regions.Reader.run`` (one the ranks of a job saved, read whole or
 resharded). ``reading_bar`` returns None where no bar is drawn, so a caller writes
 ``if bar is not None: bar.update(n)``.
 

@@ -19,8 +19,8 @@ In a multi-rank job (``group``) every rank holds all of that except the writer l
 rank 0 takes in the collective open (``_dist.opening``); the committer commits through the
 job's store (``_dist.commit.StoreCoordinator``) and only rank 0 deletes.
 
-A read-only Checkpointer holds none of that: ``StorageView`` answers its questions by looking
-at the root anew each time (another process writes there).
+A read-only Checkpointer holds none of that: ``_read.view.StorageView`` answers its questions
+by looking at the root anew each time (another process writes there).
 
 It also remembers which roots this process holds, so that a second Checkpointer on the same
 root in the same process is told that, and how to close the first, instead of a puzzling
@@ -57,13 +57,14 @@ from mpckpt._dist.opening import open_ranked
 from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._preemption import PreemptionWatch
+from mpckpt._read.view import ReadsCommitted
 from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
-from mpckpt.catalog import Recovered, read_manifest, recover, scan
+from mpckpt.catalog import Recovered, read_manifest, recover
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import Config, UploadMode
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError
@@ -103,7 +104,7 @@ def acquire_writer_lock(backend: Backend, owner: str, where: str) -> WriterLock:
     raise AssertionError("unreachable")
 
 
-class Runtime:
+class Runtime(ReadsCommitted):
     """Everything one open Checkpointer holds, wired together: the pipeline of a checkpoint.
 
     ``save``: snapshotter (layout, budget, copy) -> uploader pool -> ledger -> committer
@@ -241,9 +242,15 @@ class Runtime:
         return self.deletions.set_aside(steps, move=move)  # see Deletions.set_aside
 
     def discard_after(self, step: int) -> list[int]:
+        if self.group is not None:
+            raise ConfigError("discard_newer() is not available in a multi-rank job; delete the newer checkpoints "
+                              "with `mpckpt rm` before the job starts")
         return self.deletions.discard_after(step)  # see Deletions.discard_after
 
     def delete(self, steps: list[int], *, damaged: bool) -> None:
+        if self.group is not None:
+            raise ConfigError("delete() is not available in a multi-rank job (every rank would have to agree); let "
+                              "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
         self.deletions.delete(steps, damaged=damaged)  # see Deletions.delete (refusals: deletion.refuse)
 
     def forget_deleted(self) -> list[int]:
@@ -435,42 +442,3 @@ class Runtime:
                 log.error("mpckpt: %s: %s", type(other).__name__, other)
         finally:
             self.release()
-
-
-class StorageView:
-    """What a read-only Checkpointer holds: its root, listed anew for every question.
-
-    No lock, no uploaders, no shared memory, no recovery (a writer elsewhere owns the root);
-    checkpoints that do not verify are reported in ``damaged`` and never touched.
-    """
-
-    read_only = True
-    pool = None
-
-    def __init__(self, config: Config, backend: Backend) -> None:
-        self.config, self.backend = config, backend
-        self.closed = False
-        self.errors = ErrorSink()
-        self.stats = CheckpointerStats()
-        self.damaged: dict[int, Exception] = {}
-
-    def committed(self) -> dict[int, Manifest]:
-        problems: dict[int, Exception] = {}
-        found = scan(self.backend, clean=False, problems=problems)
-        self.damaged = problems
-        return found
-
-    def latest_step(self) -> int | None:
-        return max(self.committed(), default=None)
-
-    @property
-    def wait_s(self) -> float:
-        return self.config.timeout_s
-
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-    def close(self) -> None:
-        self.closed = True
-
-    release_unclosed = close

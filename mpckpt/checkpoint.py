@@ -62,7 +62,7 @@ class Checkpoint:
         if manifest.kind != "state":
             raise ConfigError(f"the checkpoint of step {manifest.step} is a directory checkpoint (files given to "
                               "report()), not a state: read its files with as_directory() or to_directory(path)")
-        from mpckpt.restore import load_checkpoint
+        from mpckpt._read.load import load_checkpoint
 
         return load_checkpoint(backend, name, manifest, allow_pickle=allow_pickle, classes=classes)
 
@@ -79,9 +79,11 @@ class Checkpoint:
         if self._stored is None:
             shutil.copytree(self.path, dest, dirs_exist_ok=True)
             return dest
-        from mpckpt.restore import stream_verified
+        from mpckpt._read.sources import StorageSource
+        from mpckpt._read.verified import stream_verified
 
         backend, name, manifest = self._stored
+        source = StorageSource(backend, name, manifest)
         for rel, entry_name in manifest.user_files().items():
             target = os.path.join(dest, rel)
             folder, base = os.path.split(target)
@@ -90,7 +92,7 @@ class Checkpoint:
             partial = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.partial")
             try:
                 with open(partial, "wb") as f:
-                    stream_verified(backend, name, manifest, entry_name, f.write)
+                    stream_verified(source, entry_name, f.write)
                 os.replace(partial, target)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
@@ -127,13 +129,15 @@ class Checkpoint:
 
 def _verified_in_place(backend: Backend, local_root: str, name: str, manifest: Manifest) -> str:
     """The folder of a local directory checkpoint, once it holds exactly what its manifest lists."""
+    from mpckpt._read.sources import StorageSource
+    from mpckpt._read.verified import stream_verified
     from mpckpt.errors import CorruptCheckpointError
     from mpckpt.format.validation import VALIDATION_NAME
-    from mpckpt.restore import stream_verified
     from mpckpt.storage import MANIFEST_NAME
 
+    source = StorageSource(backend, name, manifest)
     for rel in manifest.files:
-        stream_verified(backend, name, manifest, rel)
+        stream_verified(source, rel)
     folder = os.path.join(local_root, name)
     listed = set(manifest.files) | {MANIFEST_NAME, VALIDATION_NAME}  # validation.json: validate='s metrics
     parents = {rel.rsplit("/", i)[0] for rel in listed for i in range(1, rel.count("/") + 1)}

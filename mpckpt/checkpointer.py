@@ -4,7 +4,7 @@ It validates what the caller passes (steps, metrics, modes), holds the public AP
 delegates everything else to the ``Runtime`` it opens, which never refers back to it:
 
     open    -> _opening.open_root (read-only or writing, one process or a job: what may open)
-               -> _runtime.Runtime, or _runtime.StorageView when read-only
+               -> _runtime.Runtime, or _read.view.StorageView when read-only
     save    -> Runtime.save (due, preempted, warming) -> _stage.saving.Snapshotter (layout, budget,
                reuse, copy) -> _upload.pool
     report  -> Runtime.report (the folder's rules) -> _upload.directory.DirectoryUploads -> _upload.pool
@@ -17,7 +17,7 @@ Opening it checks the root, takes the single-writer lock, removes what a crashed
 state is copied (ASYNC) or committed (SYNC); leaving the block waits for all of it and
 raises what failed.
 
-``read_only=True`` opens none of that (``_runtime.StorageView``): it lists and restores while
+``read_only=True`` opens none of that (``_read.view.StorageView``): it lists and restores while
 another process writes. ``preemption=`` installs signal handlers (``_preemption``) that make
 the next ``save`` a due, synchronous one. ``validate=`` runs a function on each committed
 checkpoint in a process of its own (``_commit.validation``); its metrics join the
@@ -29,74 +29,53 @@ otherwise at the next ``save``, ``report``, ``wait`` or exit, naming the step an
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mpckpt._apply import apply_state, init_optimizer_state
-from mpckpt._dist.reading import load_ranked_for, shard_like_live
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._opening import open_root
-from mpckpt._runtime import Runtime, StorageView
-from mpckpt._stage.snapshot import flatten
-from mpckpt.catalog import Catalog, load, load_newest  # noqa: F401 -- load: mpckpt.load, kept importable here
+from mpckpt._read.restore import restore as restore_state
+from mpckpt._read.view import (
+    StorageView,
+    load,  # noqa: F401 -- mpckpt.load, kept importable here
+)
+from mpckpt._runtime import Runtime
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.config import BudgetPolicy, Config, UploadMode
 from mpckpt.errors import (
-    CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     MpckptError,
-    RankError,
-    StateError,
     StepOrderError,
     add_note,
 )
-from mpckpt.format.manifest import checkpoint_name
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.policies.triggers import Trigger
-from mpckpt.restore import load_checkpoint, verify_checkpoint
 
 log = logging.getLogger("mpckpt")
-_VERIFY_OLDER = 3  # older checkpoints read to say which one is intact, when the newest does not verify
 
 
 class Checkpointer:
     """Asynchronous checkpoints of a training state into ``root`` (a path or URL)."""
 
     def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        memory_budget: int | str | float | None = None,
-        workers: int | None = None,
-        policy: str | BudgetPolicy | None = None,
-        overlap: bool | None = None,
-        keep_last: int | None = None,
-        keep: RetentionPolicy | None = None,
-        trigger: Trigger | None = None,
-        allow_pickle: bool = False,
-        timeout_s: float | None = None,
-        job_timeout_s: float | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        start_method: str | None = None,
-        environ: Mapping[str, str] | None = None,
-        preemption: bool | Sequence[int | str] = False,
-        validate: Callable[[Checkpoint], Mapping[str, float]] | None = None,
-        validate_timeout_s: float | None = None,
-        read_only: bool = False,
-        process_group: Any = None,
-        uploader_priority: str | None = None,
+        self, root: str | os.PathLike[str], *,
+        memory_budget: int | str | float | None = None, workers: int | None = None,   # the budget, the uploaders
+        policy: str | BudgetPolicy | None = None, overlap: bool | None = None,
+        keep_last: int | None = None, keep: RetentionPolicy | None = None, trigger: Trigger | None = None,
+        allow_pickle: bool = False, timeout_s: float | None = None, job_timeout_s: float | None = None,
+        storage_options: Mapping[str, Any] | None = None, start_method: str | None = None,
+        environ: Mapping[str, str] | None = None, preemption: bool | Sequence[int | str] = False,
+        validate: Callable[[Checkpoint], Mapping[str, float]] | None = None, validate_timeout_s: float | None = None,
+        read_only: bool = False, process_group: Any = None, uploader_priority: str | None = None,
     ) -> None:
         self.config = Config.resolve(
-            memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap,
-            allow_pickle=allow_pickle, keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
+            memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap, allow_pickle=allow_pickle,
+            keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
-            uploader_priority=uploader_priority,
-        )
+            uploader_priority=uploader_priority)
         opened = open_root(self, root, self.config, storage_options=storage_options, preemption=preemption,
                            read_only=read_only, process_group=process_group, keep=keep, keep_last=keep_last,
                            trigger=trigger, validate=validate)
@@ -104,11 +83,6 @@ class Checkpointer:
         # the runtime never refers back to this Checkpointer: an unclosed one nobody holds is finalized
         self._rt: Runtime | StorageView = opened.runtime
         self._finalizer = opened.finalizer
-
-    @property
-    def _warmed(self) -> bool:
-        """Shared memory was made ahead for the first save (``prepare``, or a save not due yet)."""
-        return isinstance(self._rt, Runtime) and self._rt.warmed
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -153,13 +127,12 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
-        except BaseException as e:  # keep the body's exception; mention ours on it
-            add_note(exc, f"mpckpt: while closing after this error: {type(e).__name__}: {e}")
+        except BaseException as e:
+            if exc_type is None:
+                raise
+            add_note(exc, f"mpckpt: while closing after this error: {type(e).__name__}: {e}")  # keep the body's
 
     def close(self) -> None:
         """Wait for every pending upload, stop the uploaders, free shared memory; raise failures.
@@ -174,16 +147,9 @@ class Checkpointer:
         self._rt.close()
 
     # -- saving ---------------------------------------------------------------------------------
-    def save(
-        self,
-        step: int,
-        state: Any,
-        *,
-        metrics: Mapping[str, Any] | None = None,
-        mode: UploadMode | str = UploadMode.ASYNC,
-        overlap: bool | None = None,
-        force: bool = False,
-    ) -> SaveFuture | None:
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None,
+             mode: UploadMode | str = UploadMode.ASYNC, overlap: bool | None = None,
+             force: bool = False) -> SaveFuture | None:
         """Snapshot ``state`` for ``step``; return once copied (ASYNC) or committed (SYNC).
 
         With a ``trigger``, a step that is not due returns None at once (nothing copied);
@@ -197,13 +163,13 @@ class Checkpointer:
         mode = _mode(mode)
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
-        step = self._check_step(step)
+        step = _check_step(step, rt.ledger.last_step)
         return rt.save(step, state, _check_metrics(metrics), mode=mode, overlap=overlap, force=force, started=started)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save now (always True without a ``trigger``, and after a
         preemption signal)."""
-        return self._writer().should_save(step, self._check_int)
+        return self._writer().should_save(step, _check_int)
 
     def snapshot_barrier(self) -> None:
         """Wait until an overlapped snapshot has finished copying.
@@ -214,15 +180,9 @@ class Checkpointer:
         if not self._closed and isinstance(self._rt, Runtime):
             self._rt.saver.barrier()
 
-    def report(
-        self,
-        metrics: Mapping[str, Any] | None = None,
-        checkpoint: Checkpoint | None = None,
-        *,
-        step: int | None = None,
-        mode: UploadMode | str = UploadMode.ASYNC,
-        delete_local_after_upload: bool | None = None,
-    ) -> SaveFuture | None:
+    def report(self, metrics: Mapping[str, Any] | None = None, checkpoint: Checkpoint | None = None, *,
+               step: int | None = None, mode: UploadMode | str = UploadMode.ASYNC,
+               delete_local_after_upload: bool | None = None) -> SaveFuture | None:
         """Record metrics and, with ``checkpoint``, upload and commit a folder the user wrote.
 
         By default the local folder is deleted after an ASYNC upload and kept after a SYNC one.
@@ -233,7 +193,7 @@ class Checkpointer:
         rt = self._writer()
         mode = _mode(mode)
         return rt.report(step, _check_metrics(metrics), checkpoint, mode=mode, delete_local=delete_local_after_upload,
-                         started=started, check_step=self._check_step)
+                         started=started, check_step=lambda s: _check_step(s, rt.ledger.last_step))
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed, and every pending
@@ -249,24 +209,17 @@ class Checkpointer:
     def delete(self, *steps: int, damaged: bool = False) -> None:
         """Delete the checkpoints of ``steps`` now, whatever the retention policy says.
 
-        Every other checkpoint stays loadable: the shared files a deleted checkpoint used
-        (frozen shards) are deleted only when no committed or pending checkpoint lists them.
-        The newest one may be deleted too (``latest_step`` then goes back), but not while saves
-        are pending (``StepOrderError``: ``wait()`` first); its step is not saved again (steps
-        only increase). Refused as a whole, before anything is deleted: a step that is not
-        there (``CheckpointNotFoundError``), a damaged one unless ``damaged=True`` (kept
-        otherwise, since it may be recoverable), and a folder that a checkpoint written by an
-        mpckpt before shared files reads files from, unless that one is deleted with it
-        (``ConfigError``), one whose validation (``validate=``) is queued or running
-        (``StepOrderError``). The folder's manifest goes first, so a reader never finds it half deleted.
+        Every other checkpoint stays loadable (a shared file goes once no checkpoint lists it); the
+        newest may go too (its step is not saved again), once no save is pending. Refused as a
+        whole, before anything is deleted (``_commit.deletion.refuse``): a step that is not there, a
+        damaged one unless ``damaged=True`` (it may be recoverable), a folder another checkpoint
+        reads files from (written before shared files) unless deleted with it, one being validated.
+        Each folder's manifest goes first, so a reader never finds one half deleted.
         """
         self._check_usable()
         if not steps:
             raise ConfigError("delete() needs the steps of the checkpoints to delete")
-        if self._writer().group is not None:
-            raise ConfigError("delete() is not available in a multi-rank job (every rank would have to agree); let "
-                              "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
-        self._writer().delete([self._check_int(s) for s in steps], damaged=damaged)
+        self._writer().delete([_check_int(s) for s in steps], damaged=damaged)
 
     def discard_newer(self, step: int) -> list[int]:
         """Delete the committed checkpoints newer than ``step``, so that saving goes on from there.
@@ -277,11 +230,7 @@ class Checkpointer:
         ``step`` is in the way (``StepOrderError``) and in a multi-rank job (``ConfigError``).
         """
         self._check_usable()
-        step = self._check_int(step)
-        if self._writer().group is not None:
-            raise ConfigError("discard_newer() is not available in a multi-rank job; delete the newer checkpoints "
-                              "with `mpckpt rm` before the job starts")
-        return self._writer().discard_after(step)
+        return self._writer().discard_after(_check_int(step))
 
     def forget_deleted(self) -> list[int]:
         """Stop listing the committed checkpoints that someone else deleted (a framework's own
@@ -293,27 +242,6 @@ class Checkpointer:
         if self._closed:
             raise MpckptError("this Checkpointer is closed; open a new one")
         self._rt.errors.raise_unseen()
-
-    @staticmethod
-    def _check_int(step: Any) -> int:
-        if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
-            raise ConfigError(f"step={step!r} must be an int")
-        step = int(step)
-        if step < 0:
-            raise ConfigError(f"step={step} must not be negative")
-        return step
-
-    def _check_step(self, step: Any) -> int:
-        step = self._check_int(step)
-        last = self._writer().ledger.last_step
-        if last is not None and step <= last:
-            raise StepOrderError(
-                f"step {step} is not after the last saved step {last}; steps must increase "
-                "(committed checkpoints are never overwritten). To go on from an earlier checkpoint, restore it "
-                "with restore(state, step=N, discard_newer=True), which deletes the newer ones; to keep them, "
-                "save the new branch into another root"
-            )
-        return step
 
     # -- warming ----------------------------------------------------------------------------------
     def prepare(self, state: Any) -> int:
@@ -331,24 +259,17 @@ class Checkpointer:
         """The newest committed step (never moves past an uncommitted one)."""
         return self._rt.latest_step()
 
-    def _catalog(self) -> Catalog:
-        return Catalog(self._rt.committed())
-
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return self._catalog().steps()
+        return self._rt.catalog().steps()
 
     def best(self, n: int = 1, metric: str = "loss", mode: str = "min") -> list[int]:
         """The ``n`` committed steps with the best ``metric`` (``mode`` 'min' or 'max'; NaN never wins)."""
-        return self._catalog().best(n, metric, mode)
+        return self._rt.catalog().best(n, metric, mode)
 
     def checkpoint(self, step: int | None = None) -> Checkpoint:
         """The committed checkpoint of ``step`` (default: the latest) as a ``Checkpoint``."""
-        manifest = self._catalog().manifest(step, self.url)
-        if isinstance(self._rt, Runtime):
-            manifest = self._rt.complete(manifest)  # (a rank other than 0 learns only a summary)
-        name = checkpoint_name(manifest.step)
-        return Checkpoint(f"{self.url}/{name}", _stored=(self._rt.backend, name, manifest))
+        return self._rt.checkpoint(step)
 
     def load(self, step: int | None = None, *, classes: bool = True) -> Any:
         """The plain nested state of a committed checkpoint (default: the latest).
@@ -356,202 +277,57 @@ class Checkpointer:
         ``classes=False``: namedtuples and dataclasses as dicts, Enum members as names (see ``mpckpt.load``).
         While it reads, this Checkpointer's retention keeps that checkpoint.
         """
-        with self._reading(step if step is not None else self.latest_step) as (backend, name, manifest):
-            return load_checkpoint(backend, name, manifest, allow_pickle=self.config.allow_pickle, classes=classes)
-
-    @contextlib.contextmanager
-    def _reading(self, step: int | None) -> Iterator[tuple[Any, str, Any]]:
-        """(backend, folder name, manifest) of committed ``step``, kept from retention while in use."""
-        reading = self._rt.reading(step) if isinstance(self._rt, Runtime) else contextlib.nullcontext()
-        with reading:
-            ckpt = self.checkpoint(step)  # gone meanwhile: CheckpointNotFoundError, never half read
-            assert ckpt._stored is not None
-            yield ckpt._stored
+        return self._rt.load(step, allow_pickle=self.config.allow_pickle, classes=classes)
 
     def restore(self, state: Any, *, step: int | None = None, fallback: bool = False, strict: bool = True,
                 discard_newer: bool = False) -> int | None:
         """Load the latest committed state checkpoint (or ``step``) into ``state`` in place.
 
-        Returns the restored step, or None when there is no checkpoint yet. Only checkpoints
-        of states count: a directory checkpoint (files given to ``report``) is skipped when
-        looking for the latest, and naming one as ``step`` is an error (its files are had with
-        ``checkpoint(step).to_directory(path)``). A newest checkpoint that does not verify is a
-        ``CorruptCheckpointError`` naming the newest older one that does; with ``fallback``, that one
+        Returns the restored step, or None when there is none yet (``_read.restore``). Directory
+        checkpoints (``report``) do not count. A newest one that does not verify is a
+        ``CorruptCheckpointError`` naming the newest older one that does; with ``fallback`` that one
         is restored and the damaged newer ones are moved aside whole (``damaged.step_*``), so the
-        run saves their steps again. Logs where it restored from (INFO). ``strict`` (as
-        ``torch.nn.Module.load_state_dict``): keys of ``state`` that the checkpoint lacks, or the
-        reverse, raise a ``StateError`` naming them; ``strict=False`` restores the keys that
-        match and leaves the rest. ``discard_newer`` (with ``step``): delete the checkpoints
-        newer than ``step`` after restoring it, so the run goes on from there. Also warms
-        shared memory for saving ``state`` (not when read-only).
+        run saves their steps again. ``strict`` (as ``load_state_dict``): keys only one side has
+        are a ``StateError`` naming them; ``strict=False`` restores the keys that match.
+        ``discard_newer`` (with ``step``): delete the newer checkpoints, so the run goes on from
+        there. Logs where it restored from (INFO); warms shared memory for saving (not read-only).
         """
         self._check_usable()
         if discard_newer and step is None:
             raise ConfigError("discard_newer=True needs step=: the checkpoint the run goes on from")
-        if discard_newer:
-            if self._writer().group is not None:
-                raise ConfigError("discard_newer=True is not available in a multi-rank job; delete the newer "
-                                  "checkpoints with `mpckpt rm` before the job starts")
-        started = time.perf_counter()
-        if isinstance(self._rt, Runtime) and self._rt.group is not None:
-            restored = self._restore_ranked(state, step=step, fallback=fallback, strict=strict)
-        else:
-            restored = self._restore_one(state, step=step, fallback=fallback, strict=strict)
-        if restored is None:
-            log.info("mpckpt: no checkpoint in %s: starting fresh", self.url)
-        else:
-            log.info("mpckpt: restored step %d of %s from storage (%.1f s)", restored, self.url,
-                     time.perf_counter() - started)
+        if discard_newer and self._writer().group is not None:
+            raise ConfigError("discard_newer=True is not available in a multi-rank job; delete the newer "
+                              "checkpoints with `mpckpt rm` before the job starts")
+        restored = restore_state(self._rt, state, step=None if step is None else _check_int(step),
+                                 fallback=fallback, strict=strict, allow_pickle=self.config.allow_pickle,
+                                 stats=self.stats)
         if discard_newer and restored is not None:
             self._writer().discard_after(restored)
         if not self.read_only:
             self.prepare(state)
         return restored
 
-    def _restore_one(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
-        """``restore`` in a process of its own: the newest checkpoint that verifies, or ``step``."""
-        committed = self._rt.committed()
-        damaged = dict(self._rt.damaged)
-        if step is not None:
-            manifest = committed.get(self._check_int(step))
-            if manifest is not None and manifest.kind != "state":
-                raise StateError(f"step {step} of {self.url} is a directory checkpoint (files given to report()), not a "
-                                 f"state; get its files with ckpt.checkpoint({step}).to_directory(path)")
-            candidates = [step]
-        elif self.read_only and not fallback:  # a writer may delete what was just listed: look again
-            try:
-                step_read, loaded = load_newest(self._rt.backend, allow_pickle=self.config.allow_pickle, kind="state")
-            except CheckpointNotFoundError:
-                return None
-            except CorruptCheckpointError as e:
-                raise self._damaged_newest(e, sorted(committed, reverse=True)) from e
-            apply_state(state, loaded, strict=strict, source=f"step {step_read} of {self.url}")
-            return step_read
-        else:
-            states = [s for s, m in committed.items() if m.kind == "state"]
-            candidates = sorted({*states, *damaged}, reverse=True)
-        skipped: list[int] = []
-        for candidate in candidates:
-            try:
-                if candidate in damaged:
-                    raise damaged[candidate]
-                loaded = self.load(candidate)
-            except CorruptCheckpointError as e:
-                if step is not None:
-                    raise
-                if not fallback:
-                    raise self._damaged_newest(e, [c for c in candidates if c < candidate]) from e
-                log.warning("mpckpt: step %s of %s does not verify, trying an older one: %s", candidate, self.url, e)
-                skipped.append(candidate)
-                continue
-            apply_state(state, loaded, strict=strict, source=f"step {candidate} of {self.url}")
-            if skipped and isinstance(self._rt, Runtime):  # the run goes on from here: those steps are saved again
-                self._rt.set_aside(skipped)
-            return candidate
-        if candidates and fallback:
-            raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies (steps {candidates[:20]}); "
-                                         "`mpckpt verify` says why for each")
-        return None
 
-    def _damaged_newest(self, e: CorruptCheckpointError, older: list[int]) -> CorruptCheckpointError:
-        """The error of a newest checkpoint that does not verify: what happened, and the ways on."""
-        intact = None
-        for candidate in older[:_VERIFY_OLDER]:  # a few reads, once, on a path that otherwise stops the job
-            try:
-                self._verify(candidate)
-            except MpckptError:
-                continue
-            intact = candidate
-            break
-        if intact is not None:
-            where = f"The newest intact checkpoint is step {intact}."
-        elif older:
-            where = (f"None of the {min(len(older), _VERIFY_OLDER)} next older checkpoints verifies either "
-                     f"(`mpckpt verify {self.url}` checks them all).")
-        else:
-            where = "There is no older checkpoint."
-        return type(e)(
-            f"the newest checkpoint in {self.url} does not verify: {e}. {where} To go on from the newest one that "
-            f"verifies: restore(state, fallback=True) (it moves the damaged checkpoint aside, kept, and the run saves "
-            f"its step again), or delete it (`mpckpt rm {self.url} <step> --damaged`, or "
-            f"ckpt.delete(<step>, damaged=True)) and restart. The live state was not changed", path=e.path)
+def _check_int(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
+        raise ConfigError(f"step={step!r} must be an int")
+    step = int(step)
+    if step < 0:
+        raise ConfigError(f"step={step} must not be negative")
+    return step
 
-    def _verify(self, step: int) -> None:
-        """Read every byte of checkpoint ``step`` against its checksums (``CorruptCheckpointError`` if not)."""
-        with self._reading(step) as (backend, name, manifest):
-            verify_checkpoint(backend, name, manifest)
 
-    def _restore_ranked(self, state: Any, *, step: int | None, fallback: bool, strict: bool) -> int | None:
-        """``restore`` on every rank of a job: each reads the byte ranges it needs (resharding).
-
-        Every rank starts from the same committed checkpoints (rank 0's scan at open), so all
-        pick the same step without talking. Optimizers without state yet get theirs first
-        (as an optimizer step with zero gradients and learning rate 0 would make it), so that
-        their DTensor moments are restored as shards like the parameters.
-        """
-        rt = self._writer()
-        assert rt.group is not None
-        committed = rt.committed()
-        if step is not None:
-            if self._check_int(step) not in committed:
-                raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {self.url}; committed steps: "
-                                              f"{sorted(committed)[-20:]}")
-            candidates = [step]
-        else:
-            candidates = sorted((s for s, m in committed.items() if m.kind == "state"), reverse=True)
-            newest_damaged = max(rt.damaged, default=-1)
-            if not fallback and newest_damaged > max(candidates, default=-1):
-                e = rt.damaged[newest_damaged]
-                raise self._damaged_newest(e, candidates) if isinstance(e, CorruptCheckpointError) else e
-        if not candidates:
-            return None
-        init_optimizer_state(state)
-        flat = flatten(state, allow_pickle=self.config.allow_pickle, distributed=True)  # the live DTensors, by name
-        assert flat.dist is not None
-        targets = {flat.leaves[i].name: shard for i, shard in flat.dist.shards.items()}
-        skipped: list[int] = []
-        for candidate in candidates:
-            name = checkpoint_name(candidate)
-            failure: BaseException | None = None
-            try:
-                with rt.reading(candidate):
-                    manifest = rt.complete(committed[candidate])
-                    if manifest.ranked:
-                        loaded, read = load_ranked_for(rt.backend, name, manifest, rank=rt.group.rank,
-                                                       world_size=rt.group.world_size, targets=targets,
-                                                       strict=strict, allow_pickle=self.config.allow_pickle)
-                    else:  # saved by one process: every rank reads it whole and keeps its shards
-                        loaded = shard_like_live(load_checkpoint(rt.backend, name, manifest,
-                                                                 allow_pickle=self.config.allow_pickle), targets)
-                        read = sum(e.size for e in manifest.files.values())
-                apply_state(state, loaded, strict=strict, source=f"step {candidate} of {self.url}")
-            except MpckptError as e:
-                failure = e
-            # every rank learns how every other fared, so all go on from the same step or all stop
-            mine = None if failure is None else (str(failure), isinstance(failure, CorruptCheckpointError))
-            every = rt.group.all_gather(mine)
-            failed = [(r, f[0]) for r, f in enumerate(every) if f is not None]
-            if not failed:
-                self.stats.restored_bytes = read
-                skipped = sorted({*skipped, *(s for s in rt.damaged if s > candidate)})
-                if skipped:  # the job goes on from here: rank 0 moves them aside, then every rank goes on
-                    rt.set_aside(skipped, move=rt.group.rank == 0)
-                    rt.group.all_gather(None)
-                return candidate
-            corrupt = all(f[1] for f in every if f is not None)  # decided alike on every rank
-            if fallback and step is None and corrupt:
-                log.warning("mpckpt: step %s could not be restored on rank %s, trying an older one: %s", candidate,
-                            failed[0][0], failed[0][1])
-                skipped.append(candidate)
-                continue
-            if failure is not None:
-                if isinstance(failure, CorruptCheckpointError) and step is None and candidate == candidates[0]:
-                    raise self._damaged_newest(failure, candidates[1:]) from failure
-                raise failure
-            rank, why = failed[0]
-            raise RankError(f"restoring step {candidate} failed on rank {rank}: {why}", step=candidate,
-                            ranks=[r for r, _ in failed])
-        raise CorruptCheckpointError(f"no checkpoint in {self.url} verifies")
+def _check_step(step: Any, last: int | None) -> int:
+    """``step`` as an int after the last saved step ``last`` (``StepOrderError`` if not)."""
+    step = _check_int(step)
+    if last is not None and step <= last:
+        raise StepOrderError(
+            f"step {step} is not after the last saved step {last}; steps must increase "
+            "(committed checkpoints are never overwritten). To go on from an earlier checkpoint, restore it "
+            "with restore(state, step=N, discard_newer=True), which deletes the newer ones; to keep them, "
+            "save the new branch into another root"
+        )
+    return step
 
 
 def _mode(mode: Any) -> UploadMode:

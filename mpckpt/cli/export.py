@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if manifest.kind != "state":
         raise BadArguments(f"step {step} is a directory checkpoint (files written by you, not a state); "
                            "read them with Checkpointer(root, read_only=True).checkpoint(step).as_directory()")
-    from mpckpt.restore import load_checkpoint
+    from mpckpt._read.load import load_checkpoint
 
     try:
         state = load_checkpoint(backend, checkpoint_name(step), manifest, allow_pickle=args.allow_pickle)

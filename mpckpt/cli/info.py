@@ -24,6 +24,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mpckpt._read.skeleton import read_rank_skeletons, read_skeleton
+from mpckpt._read.sources import StorageSource
 from mpckpt.cli._common import (
     backend_for,
     chosen_step,
@@ -37,7 +39,6 @@ from mpckpt.cli._common import (
 )
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
-from mpckpt.restore import read_skeleton
 
 # what a damaged or forged skeleton can make its interpretation raise
 _MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError, RuntimeError)
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if manifest.ranked:  # saved by the ranks of a job: rank 0's view, with global shapes
         tensors, values, stored = describe(_ranked_doc(backend, name, manifest), manifest, name)
     elif manifest.kind == "state":
-        skeleton = read_skeleton(backend, name, manifest)  # size, checksum, version and shape checked
+        skeleton = read_skeleton(StorageSource(backend, name, manifest))  # size, checksum, version and shape checked
         doc = {"tree": skeleton.tree, "table": skeleton.table, "leaves": skeleton.leaves}
         tensors, values, stored = describe(doc, manifest, name)
     files = [{"path": path, "bytes": manifest.files[rel].size, "location": manifest.location(name, rel)}
@@ -98,9 +99,7 @@ def _ranked_doc(backend: Any, name: str, manifest: Manifest) -> dict[str, Any]:
     """A multi-rank checkpoint as one skeleton: rank 0's tree and table, each DTensor at its
     global shape and every tensor with the shard files of every rank that stored part of it
     (PerRank values: rank 0's, as a list of one)."""
-    from mpckpt._dist.skeleton import read_rank_skeletons
-
-    skeletons = read_rank_skeletons(backend, name, manifest)  # sizes, checksums and shape checked
+    skeletons = read_rank_skeletons(StorageSource(backend, name, manifest))  # sizes, checksums and shape checked
     files: dict[str, list[Any]] = {}
     for sk in skeletons:
         for spec in sk.leaves:

@@ -4,7 +4,7 @@ Every file's size and checksum, the skeleton and every shard header are checked,
 building tensors. One line per step; the status is 1 when any step is damaged, missing or
 does not verify, and when the folder holds no checkpoint (nothing checked proves nothing).
 
-This module owns the report; the checks are ``restore.verify_checkpoint``'s.
+This module owns the report; the checks are ``_read.load.verify_checkpoint``'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mpckpt.format.manifest import checkpoint_name
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpckpt.restore import verify_checkpoint  # torch: only this command needs it
+    from mpckpt._read.load import verify_checkpoint  # torch: only this command needs it
 
     backend = backend_for(args.root, args.storage_options)
     committed, problems = scan_root(backend)

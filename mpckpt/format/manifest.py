@@ -128,7 +128,7 @@ class Manifest:
 
     @property
     def ranked(self) -> bool:
-        """Saved by the ranks of a torch.distributed job: a skeleton per rank (``_dist.reading``)."""
+        """Saved by the ranks of a torch.distributed job: a skeleton per rank (``_read.ranked``)."""
         return self.kind == "state" and self.format_version >= 4 and rank_skeleton_name(0) in self.files
 
     @property

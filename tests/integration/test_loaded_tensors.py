@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt import restore
+from mpckpt._read import verified, whole
 from mpckpt.cli import main
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
@@ -208,11 +208,11 @@ def test_small_reads_gathered_and_big_ones_split(tmp_path, monkeypatch):
     state["rng"] = torch.get_rng_state()
     state["odd"] = torch.randn(1001, dtype=torch.float64)
     _save(tmp_path, state, workers=2)
-    monkeypatch.setattr(restore, "_READ_CHUNK", 1000)
-    monkeypatch.setattr(restore, "_SMALL", 700)
-    monkeypatch.setattr(restore, "_GATHER", 2500)
-    monkeypatch.setattr(restore, "_HEAD_BYTES", 16)
-    monkeypatch.setattr(restore, "_STREAM_CHUNK", 777)
+    monkeypatch.setattr(whole, "_READ_CHUNK", 1000)
+    monkeypatch.setattr(whole, "_SMALL", 700)
+    monkeypatch.setattr(whole, "_GATHER", 2500)
+    monkeypatch.setattr(verified, "HEAD_BYTES", 16)
+    monkeypatch.setattr(verified, "STREAM_CHUNK", 777)
     loaded = mpckpt.load(tmp_path)
     assert_same(state["model"].state_dict(), loaded["model"])
     assert_same(state["optim"].state_dict(), loaded["optim"])
@@ -301,8 +301,8 @@ def _record_read_sizes(monkeypatch) -> list[int]:
 
 def test_verify_command_streams_and_catches_a_flipped_byte(tmp_path, monkeypatch, capsys):
     _save(tmp_path, _trained_state())
-    monkeypatch.setattr(restore, "_STREAM_CHUNK", 4096)
-    monkeypatch.setattr(restore, "_HEAD_BYTES", 4096)  # verify also parses every shard header
+    monkeypatch.setattr(verified, "STREAM_CHUNK", 4096)
+    monkeypatch.setattr(verified, "HEAD_BYTES", 4096)  # verify also parses every shard header
     sizes = _record_read_sizes(monkeypatch)
     assert main(["verify", str(tmp_path)]) == 0
     assert "step 0: ok" in capsys.readouterr().out
@@ -321,7 +321,7 @@ def test_verify_command_streams_and_catches_a_flipped_byte(tmp_path, monkeypatch
 def test_to_directory_copies_verified_files_and_never_a_damaged_one(tmp_path, monkeypatch):
     root = tmp_path / "run"
     _save(root, _trained_state(), workers=2)
-    monkeypatch.setattr(restore, "_STREAM_CHUNK", 4096)  # many chunks per file
+    monkeypatch.setattr(verified, "STREAM_CHUNK", 4096)  # many chunks per file
     sizes = _record_read_sizes(monkeypatch)
     with mpckpt.Checkpointer(root, workers=1) as ckpt:
         stored = ckpt.checkpoint(0)

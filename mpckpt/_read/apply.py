@@ -1,4 +1,4 @@
-"""Put a loaded state back into the live objects of a training state (``Checkpointer.restore``).
+"""Put a loaded state back into the live objects of a training state (the last step of a restore).
 
 In place where it matters: a tensor is overwritten (its shape must match), so everything that
 refers to it (an optimizer, a tied weight) sees the restored values; a numpy array too, when
@@ -95,7 +95,7 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
     if loaded is NOT_RESTORED:  # a PerRank value of another world size, strict=False
         return target
     if isinstance(target, PerRank):
-        if isinstance(loaded, PerRank):  # this rank's value (``_dist.reading``)
+        if isinstance(loaded, PerRank):  # this rank's value (``_read.ranked``)
             value = loaded.value
         elif isinstance(loaded, list) and len(loaded) == 1:  # a single-process checkpoint's one value
             value = loaded[0]

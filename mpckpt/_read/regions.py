@@ -1,23 +1,19 @@
-"""Reading a multi-rank checkpoint back: whole, in one process, or resharded onto the ranks of a job.
+"""The resharding read plan of a multi-rank checkpoint: regions of global tensors, block-verified.
 
-Every rank's skeleton (``_dist.skeleton``) is read first; together they index each global
-tensor (a DTensor's shards, a replicated tensor's one copy) by name. A reader then asks for
+Every rank's skeleton (``skeleton``) is read first; together they index each global tensor
+(a DTensor's shards, a replicated tensor's one copy) by name. A reader then asks for
 *regions*: a box of a global tensor (all of it for a plain tensor, one shard's box for a
-DTensor of the job that restores). Each stored chunk that overlaps the box is read as the
-one contiguous byte span (in the chunk's row-major order) that covers the overlap, viewed
-with the chunk's strides and copied into place: for shards along dimension 0, the usual
-FSDP layout, that is exactly the bytes needed, so a rank reads about its share of the
-checkpoint, whatever the world size it was saved at.
+DTensor of the job that restores). Each stored chunk that overlaps the box is read as the one
+contiguous byte span (in the chunk's row-major order) that covers the overlap, viewed with the
+chunk's strides and copied into place: for shards along dimension 0, the usual FSDP layout,
+that is exactly the bytes needed, so a rank reads about its share of the checkpoint, whatever
+the world size it was saved at.
 
 Nothing is trusted unverified: every byte range is read in whole blocks whose xxh3-64 the
 skeleton lists (``BLOCK_BYTES``, at most two partial blocks of overread per range), every
-file's size is checked against the manifest, and safetensors headers are validated before
-an offset in them is used. The chunks of a region must cover it exactly once, or the
-checkpoint is reported damaged.
-
-``load_ranked`` (``mpckpt.load``, ``mpckpt export``): full plain tensors, and a ``PerRank``
-value as the list of every rank's value. ``load_ranked_for`` (``Checkpointer.restore`` in a
-job): what one rank needs, DTensors built on the live state's meshes and placements.
+file's size is checked against the manifest and safetensors headers are validated before an
+offset in them is used (``verified``). The chunks of a region must cover it exactly once, or
+the checkpoint is reported damaged. ``ranked`` builds states from the regions.
 """
 
 from __future__ import annotations
@@ -35,24 +31,19 @@ import torch
 import xxhash
 
 from mpckpt import _dtypes
-from mpckpt._codec.tree import build_tensors, unflatten
-from mpckpt._codec.values import path_of
-from mpckpt._dist.dtensor import ShardInfo, as_dtensor, local_shape
-from mpckpt._dist.skeleton import RankSkeleton, read_rank_skeletons
 from mpckpt._progress import reading_bar
-from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
-from mpckpt.format.manifest import Manifest
-from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader, header_length, parse_header
-from mpckpt.per_rank import NOT_RESTORED, PerRank
-from mpckpt.restore import _memory
-from mpckpt.storage import Backend
+from mpckpt._read.skeleton import Skeleton, read_rank_skeletons
+from mpckpt._read.sources import Source
+from mpckpt._read.verified import checked_size, memory, read_header
+from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader
 
 _WINDOW = 64 << 20  # most bytes one request reads (and one thread holds)
 _KEPT_BLOCKS = 64   # verified boundary blocks kept for neighbouring ranges (16 MiB at the default block size)
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """The bytes one rank stored of a tensor: a box of the global tensor, row-major."""
 
     rank: int
@@ -66,14 +57,14 @@ class _Global:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    chunks: list[_Chunk] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
 
 
 class _Files:
     """The shard files of one checkpoint; every read is checked block by block."""
 
-    def __init__(self, backend: Backend, name: str, manifest: Manifest, skeletons: list[RankSkeleton]) -> None:
-        self.backend, self.name, self.manifest = backend, name, manifest
+    def __init__(self, source: Source, skeletons: list[Skeleton]) -> None:
+        self.source, self.name = source, source.name
         self.blocks = {file: (sk.block_size, digests) for sk in skeletons for file, digests in sk.blocks.items()}
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -84,20 +75,11 @@ class _Files:
     def _size(self, file: str) -> int:
         size = self._sizes.get(file)
         if size is None:
-            entry = self.manifest.files[file]
-            location = self.manifest.location(self.name, file)
-            try:
-                size = self.backend.size(location)
-            except CheckpointNotFoundError as e:
-                raise CorruptCheckpointError(f"{location}: listed in the manifest but missing from storage",
-                                             path=location) from e
-            if size != entry.size:
-                raise CorruptCheckpointError(f"{location}: {size} bytes on storage, the manifest says {entry.size}; "
-                                             "the file is damaged", path=location)
+            size = checked_size(self.source, file)
             block_size, digests = self._blocks(file)
             if len(digests) != -(-size // block_size):
-                raise CorruptCheckpointError(f"{location}: the skeleton lists {len(digests)} block checksums for "
-                                             f"{size} bytes", path=location)
+                raise CorruptCheckpointError(f"{self.source.location(file)}: the skeleton lists {len(digests)} block "
+                                             f"checksums for {size} bytes", path=self.source.location(file))
             self._sizes[file] = size
         return size
 
@@ -116,7 +98,7 @@ class _Files:
         verified, in a small cache, so ranges that share a block read it once.
         """
         size = self._size(file)
-        location = self.manifest.location(self.name, file)
+        location = self.source.location(file)
         if offset < 0 or offset + len(out) > size:
             raise CorruptCheckpointError(f"{location}: bytes [{offset}, {offset + len(out)}) asked of a file of {size}",
                                          path=location)
@@ -134,7 +116,7 @@ class _Files:
                 continue
             last = min(size, -(-min(end, first + window) // block_size) * block_size)
             buf = bytearray(last - first)
-            self.backend.read_into(location, first, memoryview(buf))
+            self.source.read_into(file, first, memoryview(buf))
             blocks = range(first // block_size, -(-last // block_size))
             for k in blocks:
                 lo = k * block_size - first
@@ -167,29 +149,23 @@ class _Files:
         with self._lock:
             header = self._headers.get(file)
         if header is None:
-            location = self.manifest.location(self.name, file)
-            size = self._size(file)
-            prefix = bytearray(8)
-            self.read_into(file, 0, memoryview(prefix))
-            n = header_length(bytes(prefix), path=location, file_size=size)
-            raw = bytearray(8 + n)
-            self.read_into(file, 0, memoryview(raw))
-            header = parse_header(bytes(raw), path=location, file_size=size)
+            read = functools.partial(self.read_into, file)
+            _, header = read_header(read, self._size(file), self.source.location(file))
             with self._lock:
                 self._headers[file] = header
         return header
 
 
-class _Reader:
+class Reader:
     """Regions of the tensors of one multi-rank checkpoint, read by a pool of threads."""
 
-    def __init__(self, backend: Backend, name: str, manifest: Manifest, *, threads: int = 8) -> None:
-        self.name = name
-        self.skeletons = read_rank_skeletons(backend, name, manifest)
-        self.files = _Files(backend, name, manifest, self.skeletons)
+    def __init__(self, source: Source, *, threads: int = 8) -> None:
+        self.name = source.name
+        self.skeletons = read_rank_skeletons(source, threads=threads)
+        self.files = _Files(source, self.skeletons)
         self.globals = self._index()
         self.threads = threads
-        self._tasks: list[tuple[_Chunk, int, Callable[[], int]]] = []  # (chunk, bytes of the box, read)
+        self._tasks: list[tuple[Chunk, int, Callable[[], int]]] = []  # (chunk, bytes of the box, read)
         self._regions: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def _index(self) -> dict[str, _Global]:
@@ -198,7 +174,7 @@ class _Reader:
             for spec in sk.leaves:
                 if spec["kind"] == "local":
                     continue
-                dtype = _leaf_dtype(self.name, spec)
+                dtype = leaf_dtype(self.name, spec)
                 shape = tuple(spec["global_shape"] if spec["kind"] == "sharded" else spec["shape"])
                 g = out.setdefault(spec["name"], _Global(spec["name"], dtype, shape))
                 if (g.dtype, g.shape) != (dtype, shape):
@@ -206,7 +182,7 @@ class _Reader:
                                                  f"({g.dtype} {list(g.shape)} vs {dtype} {list(shape)})")
                 if "parts" in spec:
                     offset = tuple(spec["offset"]) if spec["kind"] == "sharded" else (0,) * len(shape)
-                    g.chunks.append(_Chunk(sk.rank, offset, tuple(spec["shape"]),
+                    g.chunks.append(Chunk(sk.rank, offset, tuple(spec["shape"]),
                                            [tuple(p) for p in spec["parts"]]))  # type: ignore[misc]
         return out
 
@@ -224,7 +200,7 @@ class _Reader:
         tensor = self._regions.get(key)
         if tensor is None:
             tensor = torch.empty(shape, dtype=g.dtype)
-            self._plan(tensor, offset, g.chunks, name)
+            self.plan(tensor, offset, g.chunks, name)
             self._regions[key] = tensor
         return tensor
 
@@ -233,13 +209,13 @@ class _Reader:
         if "parts" not in spec:
             raise CorruptCheckpointError(f"{self.name}: rank {rank} did not store its own tensor {spec['name'][:80]!r}")
         shape = tuple(spec["shape"])
-        tensor = torch.empty(shape, dtype=_leaf_dtype(self.name, spec))
-        self._plan(tensor, (0,) * len(shape), [_Chunk(rank, (0,) * len(shape), shape,
+        tensor = torch.empty(shape, dtype=leaf_dtype(self.name, spec))
+        self.plan(tensor, (0,) * len(shape), [Chunk(rank, (0,) * len(shape), shape,
                                                       [tuple(p) for p in spec["parts"]])],  # type: ignore[misc]
                    spec["name"])
         return tensor
 
-    def _plan(self, dest: torch.Tensor, offset: tuple[int, ...], chunks: list[_Chunk], name: str) -> None:
+    def plan(self, dest: torch.Tensor, offset: tuple[int, ...], chunks: list[Chunk], name: str) -> None:
         shape = tuple(dest.shape)
         if any(not isinstance(n, int) for n in shape):
             raise CorruptCheckpointError(f"{self.name}: tensor {name[:80]!r} has a malformed shape")
@@ -259,6 +235,10 @@ class _Reader:
         if covered != math.prod(shape):
             raise CorruptCheckpointError(f"{self.name}: the stored chunks of tensor {name[:80]!r} cover {covered} of "
                                          f"the {math.prod(shape)} elements asked for; the checkpoint is incomplete")
+
+    def forget_planned(self) -> None:
+        """Drop the reads planned so far (``check_ranked`` plans on meta tensors to check coverage)."""
+        self._tasks = []
 
     def run(self) -> int:
         """Read everything planned; return the bytes read so far.
@@ -295,20 +275,20 @@ class _Reader:
         return self.files.bytes_read
 
     # -- reading -------------------------------------------------------------------------------
-    def _copy(self, dest: torch.Tensor, dest_offset: tuple[int, ...], chunk: _Chunk, lo: tuple[int, ...],
+    def _copy(self, dest: torch.Tensor, dest_offset: tuple[int, ...], chunk: Chunk, lo: tuple[int, ...],
               hi: tuple[int, ...], name: str) -> int:
         itemsize = dest.element_size()
         strides = _row_major(chunk.shape)
         first = sum((low - o) * s for low, o, s in zip(lo, chunk.offset, strides, strict=True))
         last = sum((h - 1 - o) * s for h, o, s in zip(hi, chunk.offset, strides, strict=True))
         span = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
-        self._read_chunk(chunk, first * itemsize, _memory(span), name)
+        self._read_chunk(chunk, first * itemsize, memory(span), name)
         src = torch.as_strided(span.view(dest.dtype), [h - low for low, h in zip(lo, hi, strict=True)], strides, 0)
         box = tuple(slice(low - d, h - d) for low, h, d in zip(lo, hi, dest_offset, strict=True))
         dest[box].copy_(src)
         return span.numel()
 
-    def _read_chunk(self, chunk: _Chunk, start: int, out: memoryview, name: str) -> None:
+    def _read_chunk(self, chunk: Chunk, start: int, out: memoryview, name: str) -> None:
         """Bytes ``[start, start + len(out))`` of the chunk (its parts are consecutive pieces)."""
         end = start + len(out)
         at = 0  # the chunk byte where the current part begins
@@ -339,149 +319,8 @@ def _row_major(shape: tuple[int, ...]) -> list[int]:
     return strides[::-1]
 
 
-def _leaf_dtype(name: str, spec: dict[str, Any]) -> torch.dtype:
+def leaf_dtype(name: str, spec: dict[str, Any]) -> torch.dtype:
     try:
         return _dtypes.dtype_from_name(spec["dtype"])
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{name}: tensor {str(spec.get('name'))[:80]!r} has a bad dtype ({e})") from e
-
-
-def _tensors(reader: _Reader, sk: RankSkeleton, global_leaf: Callable[[dict[str, Any]], torch.Tensor],
-             local: bool) -> list[torch.Tensor]:
-    leaves = []
-    for spec in sk.leaves:
-        if spec["kind"] != "local":
-            leaves.append(global_leaf(spec))
-        elif local:
-            leaves.append(reader.local(sk.rank, spec))
-        else:  # never handed out (its PerRank cannot be restored here): shape only
-            leaves.append(torch.empty(spec["shape"], dtype=_leaf_dtype(reader.name, spec), device="meta"))
-    return leaves
-
-
-def _build(name: str, sk: RankSkeleton, leaves: list[torch.Tensor], **kwargs: Any) -> Any:
-    try:
-        tensors = build_tensors(sk.table, leaves)
-        return unflatten(sk.tree, tensors, **kwargs)
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{name}: the skeleton of rank {sk.rank} is malformed ({e})") from e
-
-
-def load_ranked(backend: Backend, name: str, manifest: Manifest, *, allow_pickle: bool = False,
-                classes: bool = True, threads: int = 8) -> Any:
-    """The whole state of a multi-rank checkpoint as plain tensors (a PerRank: every rank's value)."""
-    reader = _Reader(backend, name, manifest, threads=threads)
-    per_rank: list[list[torch.Tensor]] = [
-        _tensors(reader, sk, lambda spec: reader.region(spec["name"]), local=True) for sk in reader.skeletons]
-    reader.run()
-    values: list[dict[int, Any]] = []
-    for sk, leaves in zip(reader.skeletons, per_rank, strict=True):
-        found: dict[int, Any] = {}
-        if sk.rank:  # rank 0's tree is the one returned; the others give their PerRank values
-            _build(name, sk, leaves, allow_pickle=allow_pickle, classes=classes,
-                   per_rank=lambda n, v, p, found=found: found.__setitem__(n, v))
-        values.append(found)
-
-    def every_rank(number: int, value: Any, path: str) -> list[Any]:
-        out = [value]
-        for rank in range(1, len(values)):
-            if number not in values[rank]:
-                raise CorruptCheckpointError(f"{name}: rank {rank} has no value for the PerRank at {path or '<root>'!r}")
-            out.append(values[rank][number])
-        return out
-
-    return _build(name, reader.skeletons[0], per_rank[0], allow_pickle=allow_pickle, classes=classes,
-                  per_rank=every_rank)
-
-
-def load_ranked_for(backend: Backend, name: str, manifest: Manifest, *, rank: int, world_size: int,
-                    targets: dict[str, ShardInfo], strict: bool = True, allow_pickle: bool = False,
-                    threads: int = 8) -> tuple[Any, int]:
-    """What rank ``rank`` of a job of ``world_size`` restores: ``(state, bytes read)``.
-
-    ``targets``: the live state's DTensors by leaf name; each gets its own shard of the saved
-    tensor (resharded from however it was saved), built as a DTensor on the live mesh and
-    placements. Other tensors come back whole. A PerRank value comes back to the same rank
-    of a job of the same world size; otherwise ``StateError`` naming the key (``strict``) or
-    it is left as it is.
-    """
-    reader = _Reader(backend, name, manifest, threads=threads)
-    same = manifest.world_size == world_size
-    sk = reader.skeletons[rank if same else 0]
-
-    def global_leaf(spec: dict[str, Any]) -> torch.Tensor:
-        target = targets.get(spec["name"])
-        g = reader.globals.get(spec["name"])
-        if target is None or g is None:
-            return reader.region(spec["name"])
-        if tuple(target.global_shape) != g.shape:
-            raise StateError(f"state key {spec['name']!r}: shape {list(g.shape)} in the checkpoint, "
-                             f"{list(target.global_shape)} in memory", key=spec["name"])
-        return reader.region(spec["name"], tuple(target.offset), local_shape(target))
-
-    leaves = _tensors(reader, sk, global_leaf, local=same)
-    read = reader.run()
-    for i, spec in enumerate(sk.leaves):  # shards of the live DTensors become DTensors again
-        target = targets.get(spec["name"])
-        if target is not None and spec["kind"] != "local":
-            leaves[i] = as_dtensor(leaves[i], target)
-
-    def this_rank(number: int, value: Any, path: str) -> Any:
-        if same:
-            return PerRank(value)
-        if not strict:
-            return NOT_RESTORED
-        raise StateError(f"state key {path or '<root>'!r} is a PerRank value saved by {manifest.world_size} ranks; "
-                         f"this job has {world_size}. A PerRank value goes back only to the same rank of a job of the "
-                         "same world size: restore with strict=False to leave it as it is", key=path)
-
-    return _build(name, sk, leaves, allow_pickle=allow_pickle, per_rank=this_rank), read
-
-
-def check_ranked(backend: Backend, name: str, manifest: Manifest) -> None:
-    """What ``verify`` checks of a multi-rank checkpoint beyond every file's checksum: the
-    skeletons, every shard header, that each part is where a skeleton says, that the chunks
-    of every tensor cover it exactly, and every tree (nothing is allocated or unpickled)."""
-    reader = _Reader(backend, name, manifest)
-    for g in reader.globals.values():
-        reader._plan(torch.empty(g.shape, dtype=g.dtype, device="meta"), (0,) * len(g.shape), g.chunks, g.name)
-        for chunk in g.chunks:
-            _check_parts(reader, chunk, g.name)
-    reader._tasks.clear()
-    for sk in reader.skeletons:
-        leaves = []
-        for spec in sk.leaves:
-            if spec["kind"] == "local":
-                chunk = _Chunk(sk.rank, (), (), [tuple(p) for p in spec.get("parts", [])])  # type: ignore[misc]
-                _check_parts(reader, chunk, spec["name"])
-                leaves.append(torch.empty(spec["shape"], dtype=_leaf_dtype(name, spec), device="meta"))
-            else:
-                g = reader.globals[spec["name"]]
-                leaves.append(torch.empty(g.shape, dtype=g.dtype, device="meta"))
-        _build(name, sk, leaves, check_only=True, per_rank=lambda n, v, p: v)
-
-
-def _check_parts(reader: _Reader, chunk: _Chunk, name: str) -> None:
-    for file, key, _, _ in chunk.parts:
-        if key not in reader.files.header(file).entries:
-            raise CorruptCheckpointError(f"{reader.name}/{file}: tensor {key[:80]!r} of {name[:80]!r} is missing from "
-                                         "the shard", path=f"{reader.name}/{file}")
-
-
-def shard_like_live(loaded: Any, targets: dict[str, ShardInfo], path: str = "") -> Any:
-    """A state loaded whole (a checkpoint one process saved), with each tensor whose dotted
-    path is a live DTensor's replaced by this rank's shard of it, as a DTensor like the live one."""
-    if isinstance(loaded, torch.Tensor):
-        target = targets.get(path)
-        if target is None:
-            return loaded
-        if tuple(loaded.shape) != tuple(target.global_shape):
-            raise StateError(f"state key {path!r}: shape {list(loaded.shape)} in the checkpoint, "
-                             f"{list(target.global_shape)} in memory", key=path)
-        box = tuple(slice(o, o + n) for o, n in zip(target.offset, local_shape(target), strict=True))
-        return as_dtensor(loaded[box].contiguous(), target)
-    if isinstance(loaded, dict):
-        return {k: shard_like_live(v, targets, path_of(path, k)) for k, v in loaded.items()}
-    if isinstance(loaded, list):
-        return [shard_like_live(v, targets, path_of(path, i)) for i, v in enumerate(loaded)]
-    return loaded

@@ -1,0 +1,201 @@
+"""Reading a checkpoint one process saved: each leaf whole, straight into memory of its own.
+
+1. the skeleton is read and verified (``skeleton``); it names the shard entries of each leaf;
+2. each shard's size is checked and its header read and validated (``verified``);
+3. every leaf gets memory of its own, and each shard becomes a *read plan*: chunks that tile
+   the file after the header, in file order. A tensor of ``_SMALL`` bytes or more is read
+   straight into its own memory, in pieces of at most ``_READ_CHUNK`` (one big tensor is read
+   by several threads); smaller tensors, and entries no leaf uses, are read together into a
+   scratch buffer (one request instead of hundreds) and copied out;
+4. a thread pool reads the chunks of every shard; the calling thread hashes each file's
+   header and chunks in file order as they arrive, so the checksum covers every byte, and
+   compares it with the manifest. Only then are tensors built and handed out.
+
+INVARIANT: a loaded tensor owns its memory; none is a view into a shard-sized buffer (C++
+entry points such as ``torch.set_rng_state`` ignore storage offsets, a small tensor must not
+keep a big buffer alive, ``torch.save`` writes whole storages). Tensors that shared storage
+when saved share it again.
+
+A read that lasts more than a second draws a progress bar on a terminal (``_progress``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from mpckpt import _dtypes
+from mpckpt._progress import reading_bar
+from mpckpt._read.skeleton import Skeleton, build, error, read_skeleton
+from mpckpt._read.sources import Source
+from mpckpt._read.verified import check_digest, checked_size, memory, read_header, stream_verified
+from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.safetensors import ParsedHeader
+
+_READ_CHUNK = 64 << 20    # largest ranged read into tensor memory
+_SMALL = 1 << 20          # tensors smaller than this are read together and copied out
+_GATHER = 8 << 20         # most bytes one scratch read gathers
+
+# what a hostile or damaged skeleton can make the interpretation of it raise
+MISMATCH = (CorruptCheckpointError, KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError,
+            RecursionError)
+
+
+@dataclass
+class _Chunk:
+    """One ranged read. ``into`` is tensor memory; without it the read goes to scratch."""
+
+    offset: int  # in the file
+    length: int
+    into: memoryview | None = None
+    scatter: list[tuple[int, memoryview]] = field(default_factory=list)  # (offset in scratch, destination)
+
+
+@dataclass
+class _Shard:
+    relpath: str
+    location: str
+    head: bytes  # bytes [0, header.header_len) of the file, hashed first
+    header: ParsedHeader
+    wanted: dict[str, memoryview] = field(default_factory=dict)  # safetensors key -> where its bytes go
+
+
+def _open_shard(source: Source, relpath: str, bar: Any) -> _Shard:
+    """Check a shard's size, read its header and validate it before any offset is used."""
+    size = checked_size(source, relpath)
+    location = source.location(relpath)
+    head, header = read_header(lambda offset, out: source.read_into(relpath, offset, out), size, location)
+    if bar is not None:
+        bar.update(len(head))
+    return _Shard(relpath, location, head, header)
+
+
+def _leaf(spec: dict[str, Any], shards: dict[str, _Shard], *, meta: bool = False) -> torch.Tensor:
+    """Memory of its own for one leaf; tells its shards where each part's bytes go.
+
+    With ``meta`` the leaf is a meta tensor (no memory, nothing to read): every check runs
+    all the same, so ``check_whole`` knows that loading would work.
+    """
+    found = []
+    for filename, key, start, end in spec["parts"]:
+        shard = shards[filename]
+        entry = shard.header.entries.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"{shard.location}: tensor {key!r} is missing from the shard",
+                                         path=shard.location)
+        found.append((shard, entry, start, end))
+    codes = {entry.dtype for _, entry, _, _ in found}
+    if len(codes) != 1:
+        raise ValueError(f"tensor {spec['name']!r} is stored as {sorted(codes) or 'nothing'}")
+    whole = len(found) == 1 and found[0][3] == -1
+    numel = 0
+    for _, entry, start, end in found:  # parts are consecutive flat element ranges
+        count = math.prod(entry.shape)
+        if not whole and (start != numel or end - start != count):
+            raise ValueError(f"part {entry.name!r} holds {count} elements for range [{start}, {end})")
+        numel += count
+    original = _dtypes.dtype_from_name(spec["dtype"])
+    raw = bool(spec.get("raw"))
+    real_shape = list(spec["shape"]) + ([2] if original in (torch.complex128, torch.complex32) else [])
+    if not raw and numel != math.prod(real_shape):
+        raise CorruptCheckpointError(f"tensor {spec['name']!r}: stored {numel} elements, expected shape {real_shape}")
+    stored = torch.empty(numel, dtype=_dtypes.stored_dtype(codes.pop()), device="meta" if meta else "cpu")
+    view, at = (None if meta else memory(stored)), 0
+    for shard, entry, _, _ in found:
+        if entry.name in shard.wanted:
+            raise ValueError(f"{shard.location}: tensor {entry.name!r} is used twice")
+        shard.wanted[entry.name] = view[at:at + entry.nbytes] if view is not None else memoryview(b"")
+        at += entry.nbytes
+    if raw:
+        return stored
+    tensor = _dtypes.from_stored(stored.view(real_shape), original)
+    if tensor.dtype != original:
+        raise ValueError(f"tensor {spec['name']!r} is stored as {stored.dtype}, not as {original}")
+    return tensor
+
+
+def _plan(shard: _Shard) -> list[_Chunk]:
+    """Chunks tiling the file after the header, in file order (``parse_header`` checked that
+    the entries tile the data section with no hole)."""
+    chunks: list[_Chunk] = []
+    gather: _Chunk | None = None
+    for entry in sorted(shard.header.entries.values(), key=lambda e: e.start):
+        dest = shard.wanted.get(entry.name)
+        for lo in range(0, entry.nbytes, _READ_CHUNK):
+            n = min(_READ_CHUNK, entry.nbytes - lo)
+            offset = shard.header.header_len + entry.start + lo
+            if dest is not None and entry.nbytes >= _SMALL:
+                chunks.append(_Chunk(offset, n, dest[lo:lo + n]))
+                gather = None
+                continue
+            if gather is None or gather.length + n > _GATHER:
+                gather = _Chunk(offset, 0)
+                chunks.append(gather)
+            if dest is not None:
+                gather.scatter.append((gather.length, dest[lo:lo + n]))
+            gather.length += n
+    return chunks
+
+
+def _read_chunk(source: Source, relpath: str, chunk: _Chunk, bar: Any) -> memoryview:
+    """Run one read; return the bytes it covered (for the hash, in file order)."""
+    view = chunk.into if chunk.into is not None else memoryview(bytearray(chunk.length))
+    source.read_into(relpath, chunk.offset, view)
+    for at, dest in chunk.scatter:
+        dest[:] = view[at:at + len(dest)]
+    if bar is not None:
+        bar.update(len(view))
+    return view
+
+
+def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int) -> list[torch.Tensor]:
+    """Every leaf in memory of its own, after every shard verified."""
+    names = skeleton.shard_names
+    bar = reading_bar(sum(source.manifest.files[s].size for s in names), f"mpckpt load {source.name}")
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mpckpt-read")
+    try:
+        shards = dict(zip(names, pool.map(lambda s: _open_shard(source, s, bar), names), strict=True))
+        try:
+            leaves = [_leaf(spec, shards) for spec in skeleton.leaves]
+        except MISMATCH as e:
+            for s in names:  # a damaged shard explains a mismatch best: its checksum error first
+                stream_verified(source, s)
+            raise error(skeleton.where, "its tensors do not match the shards", e) from e
+        reads = [(shard, collections.deque(pool.submit(_read_chunk, source, shard.relpath, c, bar)
+                                           for c in _plan(shard))) for shard in shards.values()]
+        for shard, futures in reads:
+            hasher = xxhash.xxh3_64(shard.head)
+            while futures:  # popped as hashed, so each scratch buffer goes as soon as it is hashed
+                hasher.update(futures.popleft().result())
+            check_digest(hasher, source, shard.relpath)
+    finally:
+        # INVARIANT: no read is still running when this returns or raises (it writes into leaves)
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    return leaves
+
+
+def load_whole(source: Source, *, allow_pickle: bool = False, classes: bool = True, threads: int = 8) -> Any:
+    """The plain nested state of a checkpoint one process saved, every file verified."""
+    skeleton = read_skeleton(source)
+    leaves = _read_leaves(source, skeleton, threads=threads)
+    return build(skeleton, leaves, allow_pickle=allow_pickle, classes=classes)
+
+
+def check_whole(source: Source) -> None:
+    """What ``verify`` checks of such a checkpoint beyond every file's checksum: the skeleton,
+    every shard header and how they fit together (meta tensors: nothing allocated or unpickled)."""
+    skeleton = read_skeleton(source)
+    shards = {s: _open_shard(source, s, None) for s in skeleton.shard_names}
+    try:
+        leaves = [_leaf(spec, shards, meta=True) for spec in skeleton.leaves]
+    except MISMATCH as e:
+        raise error(skeleton.where, "its tensors do not match the shards", e) from e
+    build(skeleton, leaves, allow_pickle=False, check_only=True)
