@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mpckpt._codec.values import path_of
 from mpckpt.errors import StateError
 from mpckpt.per_rank import NOT_RESTORED, PerRank
 
@@ -68,10 +69,6 @@ def _some(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:_SHOWN])
     more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
     return f"{len(keys)} key{'s' if len(keys) > 1 else ''} ({shown}{more})"  # 2 keys ('a', 'b')
-
-
-def _path(parent: str, key: Any) -> str:
-    return f"{parent}.{key}" if parent else str(key)
 
 
 def _loader(value: Any) -> Any:
@@ -131,10 +128,10 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
             raise StateError(f"state key {where!r}: checkpoint holds a {type(loaded).__name__}, not a dict", key=path)
         for k, v in loaded.items():
             if k in target:
-                target[k] = _apply(target[k], v, _path(path, k), strict, keys)
+                target[k] = _apply(target[k], v, path_of(path, k), strict, keys)
             else:
-                keys.unexpected.append(_path(path, k))
-        keys.missing.extend(_path(path, k) for k in target if k not in loaded)
+                keys.unexpected.append(path_of(path, k))
+        keys.missing.extend(path_of(path, k) for k in target if k not in loaded)
         return target
     if isinstance(target, (list, tuple)) and isinstance(loaded, (list, tuple)):
         return _sequence(target, loaded, path, strict, keys)
@@ -149,14 +146,14 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
     try:
         if isinstance(target, torch.nn.Module):
             result = load(loaded, strict=False)  # torch lists the keys; the error is raised once, for all of them
-            keys.missing.extend(_path(path, k) for k in getattr(result, "missing_keys", ()))
-            keys.unexpected.extend(_path(path, k) for k in getattr(result, "unexpected_keys", ()))
+            keys.missing.extend(path_of(path, k) for k in getattr(result, "missing_keys", ()))
+            keys.unexpected.extend(path_of(path, k) for k in getattr(result, "unexpected_keys", ()))
         elif _takes_strict(load):
             load(loaded, strict=strict)
         else:
             load(loaded)
     except StateError as e:  # an object of ours (RNGState, LoopState ...) names its own key: give it the path
-        key = _path(path, e.key) if e.key else path
+        key = path_of(path, e.key) if e.key else path
         raise StateError(f"state key {where!r}: {e}", key=key) from e
     except Exception as e:  # torch's own refusal (an optimizer's groups, a scheduler's keys) names no key path
         raise StateError(f"state key {where!r}: {type(target).__name__}.load_state_dict refused the checkpoint's "
@@ -174,12 +171,12 @@ def _check_shapes(module: torch.nn.Module, loaded: Any, path: str) -> None:
              if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) and v.shape != live[k].shape]
     if not wrong:
         return
-    shown = "; ".join(f"{_path(path, k)!r}: {a} in the checkpoint, {b} in memory" for k, a, b in wrong[:_SHOWN])
+    shown = "; ".join(f"{path_of(path, k)!r}: {a} in the checkpoint, {b} in memory" for k, a, b in wrong[:_SHOWN])
     more = f"; and {len(wrong) - _SHOWN} more" if len(wrong) > _SHOWN else ""
     raise StateError(f"{len(wrong)} tensor{'s' if len(wrong) > 1 else ''} of {type(module).__name__} "
                      f"{path or '<root>'!r} differ in shape: {shown}{more}. The checkpoint was saved from a model of "
                      "another shape (width, layer type): build the same model, or restore into another root",
-                     key=_path(path, wrong[0][0]))
+                     key=path_of(path, wrong[0][0]))
 
 
 def _sequence(target: list | tuple, loaded: list | tuple, path: str, strict: bool, keys: _Keys) -> Any:
@@ -190,9 +187,9 @@ def _sequence(target: list | tuple, loaded: list | tuple, path: str, strict: boo
             return target
         return loaded
     n = min(len(target), len(loaded))
-    items = [_apply(target[i], loaded[i], _path(path, i), strict, keys) for i in range(n)]
-    keys.missing.extend(_path(path, i) for i in range(n, len(target)))
-    keys.unexpected.extend(_path(path, i) for i in range(n, len(loaded)))
+    items = [_apply(target[i], loaded[i], path_of(path, i), strict, keys) for i in range(n)]
+    keys.missing.extend(path_of(path, i) for i in range(n, len(target)))
+    keys.unexpected.extend(path_of(path, i) for i in range(n, len(loaded)))
     if isinstance(target, list):
         target[:n] = items
         return target
@@ -208,7 +205,7 @@ def _dataclass(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -
             continue
         new = getattr(loaded, f.name)
         if hasattr(target, f.name):
-            new = _apply(getattr(target, f.name), new, _path(path, f.name), strict, keys)
+            new = _apply(getattr(target, f.name), new, path_of(path, f.name), strict, keys)
         if frozen:  # a frozen instance is not changed: the loaded one (holding the live tensors) takes its slot
             object.__setattr__(loaded, f.name, new)
         else:
