@@ -95,30 +95,10 @@ def _status_bytes(field: str) -> int:
 
 def raw_child(folder: str) -> None:
     """Every file into one preallocated, touched buffer with ``RAW_THREADS`` threads of 64 MiB preads."""
-    import concurrent.futures
 
     paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n != "manifest.json"]
-    sizes = [os.path.getsize(p) for p in paths]
-    buffer = memoryview(bytearray(sum(sizes)))
-    jobs, at = [], 0
-    for path, size in zip(paths, sizes, strict=True):
-        jobs += [(path, start, buffer[at + start:at + min(size, start + RAW_CHUNK)]) for start in range(0, size, RAW_CHUNK)]
-        at += size
-
-    def read(job: tuple[str, int, memoryview]) -> None:
-        path, start, view = job
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            pos = 0
-            while pos < len(view):
-                pos += os.preadv(fd, [view[pos:]], start + pos)
-        finally:
-            os.close(fd)
-
-    started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(RAW_THREADS) as pool:
-        list(pool.map(read, jobs))
-    h.emit_result({"load_s": time.perf_counter() - started})
+    buffer = memoryview(bytearray(sum(os.path.getsize(p) for p in paths)))
+    h.emit_result({"load_s": h.read_files_into(paths, buffer, threads=RAW_THREADS, chunk=RAW_CHUNK)})
 
 
 def drop_caches() -> bool:

@@ -118,37 +118,17 @@ def child(subject: str, folder: str, gib: float) -> None:
 
 
 def _floor(root: str) -> dict[str, Any]:
-    import concurrent.futures
+    import ctypes
 
     import torch
 
     folder = os.path.join(root, sorted(n for n in os.listdir(root) if n.startswith("step_"))[-1])
     paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
-    sizes = [os.path.getsize(p) for p in paths]
-    buffer = torch.ones(sum(sizes), dtype=torch.uint8)  # touched, as live tensors are
-    import ctypes
-
-    view = memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
-    jobs, at = [], 0
-    for path, size in zip(paths, sizes, strict=True):
-        jobs += [(path, start, view[at + start:at + min(size, start + CHUNK)]) for start in range(0, size, CHUNK)]
-        at += size
-
-    def read(job: tuple[str, int, memoryview]) -> None:
-        path, start, dest = job
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            pos = 0
-            while pos < len(dest):
-                pos += os.preadv(fd, [dest[pos:]], start + pos)
-        finally:
-            os.close(fd)
-
-    started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(read, jobs))
-    seconds = time.perf_counter() - started
-    return {"restore_s": seconds, "total_s": seconds, "bytes": sum(sizes)}
+    total = sum(os.path.getsize(p) for p in paths)
+    buffer = torch.ones(total, dtype=torch.uint8)  # touched, as live tensors are
+    view = memoryview((ctypes.c_char * total).from_address(buffer.data_ptr())).cast("B")
+    seconds = h.read_files_into(paths, view, threads=2, chunk=CHUNK)
+    return {"restore_s": seconds, "total_s": seconds, "bytes": total}
 
 
 def warm(folder: str) -> None:

@@ -10,6 +10,7 @@ deletes while it is read is looked up again (``restore.read_newest``).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
@@ -27,7 +28,7 @@ from mpckpt.format.names import MANIFEST_NAME, checkpoint_name, step_of
 from mpckpt.storage import Backend, open_backend, spec_for_url
 
 
-class ReadsCommitted:
+class ReadsCommitted(abc.ABC):
     """Steps, best, one checkpoint, a load and a restore, over what ``committed()`` lists.
 
     The class that mixes it in gives ``backend``, ``committed()``, ``reading(step)`` (retention
@@ -37,14 +38,17 @@ class ReadsCommitted:
 
     backend: Backend
 
+    @abc.abstractmethod
     def committed(self) -> dict[int, Manifest]:
-        raise NotImplementedError
+        """The committed checkpoints by step."""
 
+    @abc.abstractmethod
     def reading(self, step: int | None) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        """Retention keeps ``step`` while the block runs."""
 
+    @abc.abstractmethod
     def complete(self, manifest: Manifest) -> Manifest:
-        raise NotImplementedError
+        """``manifest`` with its files (a summary is read whole from storage)."""
 
     def catalog(self) -> Catalog:
         return Catalog(self.committed())
