@@ -9,7 +9,8 @@ delegates everything else to the ``Runtime`` it opens, which never refers back t
                reuse, copy) -> _upload.pool
     report  -> Runtime.report (the folder's rules) -> _upload.directory.DirectoryUploads -> _upload.pool
             -> _commit.ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
-    queries -> catalog.Catalog over the ledger's committed checkpoints
+    queries -> _read.view.ReadsCommitted (steps, best, checkpoint, load) over the committed checkpoints
+    restore -> _read.restore (the newest readable step, its sources nearest first, apply)
     errors  -> _commit.sink.ErrorSink
 
 Opening it checks the root, takes the single-writer lock, removes what a crashed run left
