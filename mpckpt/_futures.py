@@ -132,6 +132,17 @@ class SaveFuture:
         return exc
 
 
+@dataclass(frozen=True)
+class LastRestore:
+    """What the last ``restore`` did: the step, where it came from (``"memory"``: this node's
+    shared memory, ``"peer"``, or ``"storage"``), how long it took and how many bytes it read."""
+
+    step: int
+    source: str
+    seconds: float
+    bytes: int
+
+
 @dataclass
 class CheckpointerStats:
     """Figures of every save of one checkpointer, and its counters."""
@@ -143,6 +154,7 @@ class CheckpointerStats:
     job_retries: int = 0
     peak_shm_bytes: int = 0
     restored_bytes: int = 0  # bytes the last restore() read (a rank of a job: about its share)
+    last_restore: LastRestore | None = None  # None: no restore yet, or there was nothing to restore
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.saves if s.status == status)

@@ -50,6 +50,7 @@ class UploadMode(str, enum.Enum):
     SYNC = "sync"            # after the checkpoint is committed
     ASYNC = "async"          # after the snapshot is in shared memory
     NO_UPLOAD = "no_upload"  # the files are already where they belong: only commit them
+    MEMORY = "memory"        # kept in this node's shared memory only, never uploaded (``keep_in_memory``)
 
 
 class UploaderPriority(str, enum.Enum):
@@ -97,6 +98,9 @@ DEFAULT_NICE = 10          # the validator's, and the uploaders' below 'normal' 
 DEFAULT_UPLOADER_PRIORITY = UploaderPriority.IDLE
 DEFAULT_DIRECT_IO = True   # local files bypass the page cache (O_DIRECT) where the OS has it
 DEFAULT_PROGRESS = True    # a progress bar while loading, when stderr is a terminal
+# the newest complete snapshot stays in shared memory until a newer one is: a crash costs a
+# restart from memory, not the steps since the last upload, for one more slab of the budget
+DEFAULT_KEEP_IN_MEMORY = True
 
 
 def parse_bytes(value: Any, *, setting: str, available: int | None = None) -> int:
@@ -243,6 +247,7 @@ class Config:
     trigger: Trigger | None = None
     validate: Any = None  # fn(Checkpoint) -> {name: number}, run in the validator process after each commit
     validate_timeout_s: float = DEFAULT_VALIDATE_TIMEOUT_S
+    keep_in_memory: bool = DEFAULT_KEEP_IN_MEMORY
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -274,6 +279,7 @@ class Config:
         validate: Any = None,
         validate_timeout_s: Any = None,
         uploader_priority: Any = None,
+        keep_in_memory: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -312,6 +318,8 @@ class Config:
         priority = DEFAULT_UPLOADER_PRIORITY if raw in (None, "") else _parse_priority(raw, setting=name)
         raw, name = pick(validate_timeout_s, "MPCKPT_VALIDATE_TIMEOUT_S")
         validate_timeout = DEFAULT_VALIDATE_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
+        raw, name = pick(keep_in_memory, "MPCKPT_KEEP_IN_MEMORY")
+        keeping = DEFAULT_KEEP_IN_MEMORY if raw in (None, "") else _parse_bool(raw, setting=name)
         if validate is not None and not callable(validate):
             raise ConfigError(f"validate={validate!r} is not callable; give a function fn(checkpoint) -> dict of "
                               "metric names to numbers")
@@ -335,6 +343,7 @@ class Config:
             start_method=method,
             direct_io=use_direct_io,
             uploader_priority=priority,
+            keep_in_memory=keeping,
         )
 
 

@@ -160,6 +160,12 @@ class Ledger:
             record.future._mark_seen()
             raise
 
+    def take_step(self, step: int) -> None:
+        """Step ``step`` was saved or restored without a record here (kept in memory only): later
+        saves must go past it."""
+        with self._cond:
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+
     def add_small_file(self, record: Pending, relpath: str, content: bytes | Callable[[], bytes]) -> None:
         """A file the committer writes just before the manifest (a callable runs there)."""
         with self._cond:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateError
 from mpckpt.format.manifest import Manifest
 from mpckpt.storage import Backend
 
@@ -87,7 +87,11 @@ def first_that_reads(sources: Sequence[Source], read: Callable[[Source], T]) -> 
     for source in ordered[:-1]:
         try:
             return source, read(source)
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        except Exception as e:  # a copy nearer than the source of record that does not read: the next one
+            if not isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError, OSError, StateError)):
+                log.error("mpckpt: reading %s from %s failed unexpectedly", source.name, source.kind, exc_info=e)
+            if isinstance(e, StateError):  # the state does not match the checkpoint: no other copy will
+                raise
             log.warning("mpckpt: %s cannot be read from %s (%s); trying %s", source.name, source.kind, e,
                         ordered[ordered.index(source) + 1].kind)
     last = ordered[-1]

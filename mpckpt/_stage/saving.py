@@ -21,6 +21,7 @@ staging folders are the commit side's), and the committer writes the skeleton an
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import warnings
@@ -42,6 +43,7 @@ from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
+from mpckpt.errors import ConfigError
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
 from mpckpt.format.skeleton import SKELETON_VERSION
 
@@ -60,22 +62,29 @@ class Snapshotter:
     frozen: FrozenShards = field(init=False)
     memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
     planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
+    keeper: Any = None   # keeps the newest complete snapshot in memory (``_keep.keeper.Keeper``)
     _copier: BackgroundCopier | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.layouts = LayoutCache(budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
         self.frozen = FrozenShards(self.ledger)
 
-    def save(self, step: int, state: Any, metrics: dict[str, Any], *, overlap: bool) -> SaveFuture:
-        """Snapshot ``state`` as checkpoint ``step``; the future resolves at its commit."""
+    def save(self, step: int, state: Any, metrics: dict[str, Any], *, overlap: bool,
+             memory: bool = False) -> SaveFuture:
+        """Snapshot ``state`` as checkpoint ``step``; the future resolves at its commit (``memory``:
+        once the snapshot is kept in memory, never uploaded)."""
         flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo,
                        distributed=self.planner is not None)
+        plan = None
         if self.planner is not None:  # this rank's part of a multi-rank save (``_dist``)
             plan = self.planner.plan(flat)
             layout = self.layouts.layout_for(flat, skip=plan.skip, prefix=rank_prefix(self.planner.group.rank))
         else:
             layout = self.layouts.layout_for(flat)
         stats = SaveStats(step, bytes=flat.nbytes)
+        keeping = self._keeping(layout, step, memory)
+        if memory:
+            return self._save_in_memory(step, metrics, flat, layout, plan, stats)
         first = self.budget.take_first(layout) if layout.waves else None
         if layout.waves and first is None:
             warnings.warn(f"mpckpt: memory budget full, checkpoint of step {step} skipped (policy 'skip')",
@@ -105,11 +114,68 @@ class Snapshotter:
             reuse = self.frozen.reuse_unchanged(record, flat, layout)
             stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
                                       if s.filename not in reuse.files)
+            kept = functools.partial(self._keep, step, record.seq, metrics, flat, layout, plan) if keeping else None
             if overlap and len(layout.waves) == 1:
-                self._snapshot_overlapped(record, state, flat, layout, first, reuse)
+                self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept)
             else:
-                self._snapshot_eager(record, flat, layout, first, reuse)
+                self._snapshot_eager(record, flat, layout, first, reuse, kept)
         return record.future
+
+    # -- keeping snapshots in memory (``_keep``) ---------------------------------------------------
+    def _keeping(self, layout: Layout, step: int, memory: bool) -> bool:
+        """Whether this save's snapshot is kept in memory: one slab holds it whole."""
+        if self.keeper is None or not (memory or self.keeper.enabled) or not layout.waves:
+            if memory and self.keeper is None:
+                raise ConfigError("mode='memory' needs a writer Checkpointer")
+            return False
+        if len(layout.waves) == 1:
+            return True
+        text = (f"the state ({layout.nbytes >> 20} MiB) is larger than the memory budget "
+                f"({self.config.memory_budget_bytes >> 20} MiB), so no snapshot of it fits one slab to keep in memory; "
+                "raise memory_budget (MPCKPT_MEMORY_BUDGET) to about twice the state")
+        if memory:
+            raise ConfigError(f"save(step={step}, mode='memory'): {text}")
+        self.keeper.warn_once("waves", text)
+        return False
+
+    def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
+              slab: Slab) -> None:
+        """``slab`` holds the complete snapshot: hash it and keep it (``Keeper.keep``)."""
+        if self.planner is not None:
+            group = self.planner.group
+            small_name = rank_skeleton_name(group.rank)
+
+            def small(blocks: dict[str, list[str]]) -> bytes:
+                return rank_skeleton_bytes(flat, layout, plan, blocks, rank=group.rank, world_size=group.world_size)
+        else:
+            small_name = SKELETON_NAME
+
+            def small(blocks: dict[str, list[str]]) -> bytes:
+                return skeleton_bytes(flat, layout)
+        self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
+                         small_name=small_name, small=small, block_size=BLOCK_BYTES if self.planner is not None else 0)
+
+    def _save_in_memory(self, step: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
+                        stats: SaveStats) -> SaveFuture:
+        """A ``mode="memory"`` save: copied and kept, never uploaded; resolved when kept."""
+        started = time.perf_counter()
+        self.ledger.take_step(step)
+        slab = self.budget.take_first(layout)
+        future = SaveFuture(stats)
+        if slab is None:
+            warnings.warn(f"mpckpt: memory budget full, snapshot of step {step} skipped (policy 'skip')", stacklevel=3)
+            stats.status = "skipped"
+        else:
+            try:
+                copy_wave(flat, layout, 0, slab)
+                self._keep(step, -1, metrics, flat, layout, plan, slab)
+            finally:
+                self.budget.release(slab)
+            stats.status = "in_memory"
+            stats.snapshot_ms = (time.perf_counter() - started) * 1e3
+        self.stats.saves.append(stats)
+        future._resolve(None)
+        return future
 
     def slab_bytes_for(self, state: Any) -> int:
         """The shared memory the first save of ``state`` takes (in a job: this rank's part), with a
@@ -132,28 +198,34 @@ class Snapshotter:
 
     # -- copies ---------------------------------------------------------------------------------
     def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None,
-                        reuse: Reuse) -> None:
-        """Copy every wave now (``recording`` settles the record if this raises)."""
+                        reuse: Reuse, kept: Callable[[Slab], None] | None = None) -> None:
+        """Copy every wave now (``recording`` settles the record if this raises); ``kept``: keep the
+        snapshot in memory (one wave, every leaf copied, frozen ones too)."""
         started = time.perf_counter()
         for index in range(len(layout.waves)):
             slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
             assert slab is not None
-            copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves else None)
+            copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves and kept is None else None)
+            if kept is not None:
+                kept(slab)
             self._submit_wave(record, layout, index, slab, reuse)
         self.ledger.all_submitted(record, snapshot_started=started)
 
     def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout,
-                             slab: Slab | None, reuse: Reuse) -> None:
+                             slab: Slab | None, reuse: Reuse, kept: Callable[[Slab], None] | None = None) -> None:
         assert slab is not None
         started = time.perf_counter()
         guarded = step_guarded_leaves(state, flat) - reuse.leaves
-        # what the next forward may change in place (buffers) is copied now
-        copy_wave(flat, layout, 0, slab, only=lambda leaf: leaf not in guarded and reuse.needs_copy(leaf))
+        # what the next forward may change in place (buffers) is copied now (kept: frozen ones too)
+        copy_wave(flat, layout, 0, slab,
+                  only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
 
         def rest() -> None:
             submitted = False
             try:
                 copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                if kept is not None:
+                    kept(slab)
                 self._submit_wave(record, layout, 0, slab, reuse)
                 submitted = True
             except BaseException as e:  # surfaces through the save's future, not lost

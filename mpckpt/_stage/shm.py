@@ -157,8 +157,9 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _open_new_segment() -> tuple[_Owner, str, int]:
-    """A new segment's owner (made on first use), name and descriptor: counted, created 0600.
+def _open_new_segment(link_from: str | None = None) -> tuple[_Owner, str, int]:
+    """A new segment's owner (made on first use), name and descriptor: counted, created 0600
+    (``link_from``: the segment is a new name of that existing file, opened read-write).
 
     Both under ``_guard``, so no one ever finds the count above the segments that exist
     or are being unlinked.
@@ -175,7 +176,15 @@ def _open_new_segment() -> tuple[_Owner, str, int]:
         # INVARIANT: the owner file exists and is locked before the segment
         name = f"{_owner.prefix}-{secrets.token_hex(16)}"
         try:
-            fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            if link_from is None:
+                fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            else:
+                os.link(link_from, _path(name), follow_symlinks=False)
+                try:
+                    fd = _shm_open(name, os.O_RDWR)
+                except BaseException:
+                    _shm_unlink(name)
+                    raise
         except BaseException:
             if _owner.segments == 0:
                 _let_go(_owner)
@@ -269,6 +278,26 @@ class Segment:
             # INVARIANT: every page is allocated now: with /dev/shm full this is ENOSPC here,
             # never a SIGBUS that kills the trainer at its first write into a hole
             os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _shm_unlink(name)
+            _drop_owner(by)
+            raise
+        os.close(fd)
+        return cls(name, size, mm, owner=True, by=by)
+
+    @classmethod
+    def adopt(cls, path: str, size: int) -> Segment:
+        """A segment of this process for the existing file ``path`` (a snapshot kept in memory by
+        a process that is gone): a new name of it, counted and owned like a created one, mapped
+        read-write. ``path`` must be a regular file of this user, mode 0600, of ``size`` bytes or more."""
+        by, name, fd = _open_new_segment(link_from=path)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 \
+                    or st.st_size < size:
+                raise OSError(errno.EPERM, f"{path} is not a regular file of this user, mode 600, of {size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -1,0 +1,220 @@
+"""What one writer keeps in this node's memory: the newest complete snapshot, and the one it found.
+
+``keep`` runs once a snapshot's copy into its slab is complete (an eager save before it
+returns, an overlapped one in its background copy): it hashes every shard file in the slab
+(the xxh3-64 storage will also get, and a multi-rank save's block checksums) on a few threads
+(xxh3 releases the GIL), publishes the record (``store``), and marks the slab kept in the
+arena: no save copies into it until a newer snapshot is complete. Then the previous kept slab
+goes back to the pool (once its own uploads are done). An ASYNC save is thus recoverable on
+this node as soon as ``save()`` returns, before its upload, and a ``mode="memory"`` save is
+never uploaded at all.
+
+At open, the snapshot a previous process of this root and rank kept is found (``found``) and
+offered to the restore as a ``memory`` source (``source_for``). After the restore
+(``settle``) its slab is taken over: it stays kept when that step is only in memory; when the
+step is on storage its record goes and the slab serves the next save (no fresh pages). A
+snapshot found and not restored is stale and removed.
+
+A kept slab counts against the memory budget. When a save needs the memory of the kept slab
+and nothing else is free, the arena gives it up (``reclaim``): the record goes first, with a
+warning, so nothing ever reads a slab being written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from mpckpt._keep.record import KeptRecord, Span
+from mpckpt._keep.source import MemorySource
+from mpckpt._keep.store import Found, KeptStore, read_kept
+from mpckpt._stage.arena import Arena, Slab
+from mpckpt._stage.shm import Segment
+from mpckpt.format.manifest import Manifest, _json_safe_metrics
+
+log = logging.getLogger("mpckpt")
+_HASH_CHUNK = 16 << 20
+
+
+def hash_span(header: bytes, data: memoryview, block_size: int) -> tuple[str, tuple[str, ...]]:
+    """xxh3-64 of ``header + data``, and of every ``block_size`` bytes of it when ``block_size``."""
+    whole = xxhash.xxh3_64(header)
+    if not block_size:
+        for pos in range(0, len(data), _HASH_CHUNK):
+            whole.update(data[pos:pos + _HASH_CHUNK])
+        return whole.hexdigest(), ()
+    blocks: list[str] = []
+    block, filled = xxhash.xxh3_64(), 0
+    for part in (memoryview(header), data):
+        pos = 0
+        while pos < len(part):
+            take = min(block_size - filled, len(part) - pos)
+            piece = part[pos:pos + take]
+            whole.update(piece)
+            block.update(piece)
+            filled, pos = filled + take, pos + take
+            if filled == block_size:
+                blocks.append(block.hexdigest())
+                block, filled = xxhash.xxh3_64(), 0
+    if filled:
+        blocks.append(block.hexdigest())
+    return whole.hexdigest(), tuple(blocks)
+
+
+class Keeper:
+    """The kept snapshot of one writer (one rank of a job), and the one found at open."""
+
+    def __init__(self, url: str, arena: Arena, *, enabled: bool, rank: int = 0, world_size: int = 1) -> None:
+        self.url, self.arena, self.enabled = url, arena, enabled
+        self.rank, self.world_size = rank, world_size
+        self.store = KeptStore(url, rank)
+        self.found: Found | None = None
+        self.others: list[Found] = []  # the other ranks' snapshots of the found step (read only)
+        self.kept: tuple[Slab, KeptRecord] | None = None
+        self._lock = threading.Lock()
+        self._hashers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._warned: set[str] = set()
+        if self.store.hold():
+            self.found = read_kept(url, rank, world_size)
+            if self.found is None:
+                self.store.discard()  # a torn publish, or data no record lists
+        arena.reclaim = self._reclaim
+
+    # -- the found snapshot: restoring from it ----------------------------------------------------
+    def in_memory(self) -> dict[int, Manifest]:
+        """The step found in memory (every rank's part of it here, in a job), as its manifest."""
+        found = self.found
+        if found is None:
+            return {}
+        if self.world_size > 1 and not self.others:
+            for rank in range(self.world_size):
+                if rank == self.rank:
+                    continue
+                other = read_kept(self.url, rank, self.world_size)
+                if other is None or other.record.step != found.record.step or other.record.seq != found.record.seq:
+                    if other is not None:
+                        other.close()
+                    self._close_others()
+                    return {}
+                self.others.append(other)
+        return {found.record.step: found.record.manifest([o.record for o in self.others])}
+
+    def source_for(self, manifest: Manifest) -> MemorySource | None:
+        """The memory source of checkpoint ``manifest`` when the snapshot found at open is it."""
+        found = self.found
+        if found is None or found.record.step != manifest.step:
+            return None
+        mine = self.in_memory().get(manifest.step)
+        if mine is None:
+            return None
+        if manifest.seq != mine.seq and found.record.seq >= 0:
+            return None  # another save of that step (storage's is not the one kept)
+        if any(manifest.files.get(rel, entry).checksum != entry.checksum for rel, entry in mine.files.items()):
+            return None
+        return MemorySource([found, *self.others], manifest)
+
+    def settle(self, restored: int | None, durable: set[int]) -> None:
+        """After a restore (``restored``: its step; ``durable``: the steps on storage): take over
+        the found snapshot's slab, or remove it when it was not what was restored."""
+        found, self.found = self.found, None
+        self._close_others()
+        if found is None:
+            return
+        record = found.record
+        found.close()
+        if restored != record.step or not self.store.held:
+            self.store.discard()
+            return
+        try:
+            segment = Segment.adopt(os.path.join("/dev/shm", record.data), record.data_size)
+        except OSError as e:
+            log.warning("mpckpt: could not take over the snapshot kept in memory (%s); it is removed", e)
+            self.store.discard()
+            return
+        on_storage = record.step in durable
+        slab = self.arena.adopt(segment, kept=self.enabled and not on_storage)
+        if slab is None or on_storage or not self.enabled:
+            self.store.discard()  # the record goes before the slab is written again
+            if slab is not None:
+                self.arena.unkeep(slab)
+            return
+        with self._lock:
+            self.kept = (slab, record)
+
+    def _close_others(self) -> None:
+        for other in self.others:
+            other.close()
+        self.others = []
+
+    # -- keeping a new snapshot ------------------------------------------------------------------
+    def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
+             small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0) -> None:
+        """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s):
+        hash it, publish its record, keep it; the previously kept slab goes back to the pool."""
+        if not self.store.held:
+            return
+        if self._hashers is None:
+            self._hashers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mpckpt-keep-hash")
+        view = memoryview(slab.segment.mmap)
+        try:
+            digests = list(self._hashers.map(
+                lambda s: hash_span(s.header, view[s.offset:s.offset + s.nbytes], block_size), shards))
+        finally:
+            view.release()
+        spans = {s.filename: Span(s.header, s.offset, s.nbytes, d, b) for s, (d, b) in zip(shards, digests, strict=True)}
+        blocks = {rel: list(span.blocks) for rel, span in spans.items()} if block_size else {}
+        record = KeptRecord(uid=os.geteuid(), root=self.url, rank=self.rank, world_size=self.world_size, step=step,
+                            seq=seq, data=self.store.new_data_name(), data_size=slab.capacity,
+                            created_unix=time.time(), spans=spans, small={small_name: small(blocks)},
+                            metrics=_json_safe_metrics(metrics))
+        if self.found is not None:  # saving without having restored it: the found one is stale
+            self.settle(None, set())
+        self.arena.keep(slab)  # INVARIANT: never called holding our lock (the arena calls _reclaim holding its own)
+        try:
+            with self._lock:
+                self.store.publish(record, slab.name)
+                old, self.kept = self.kept, (slab, record)
+        except OSError as e:
+            self.arena.unkeep(slab)
+            self.warn_once("publish", f"could not keep the snapshot of step {step} in memory ({e}); a crash now "
+                           "restores from storage")
+            return
+        if old is not None and old[0] is not slab:
+            self.arena.unkeep(old[0])
+
+    def _reclaim(self, slab: Slab) -> None:
+        """The arena needs the kept slab's memory for a save: the record goes first."""
+        with self._lock:
+            if self.kept is None or self.kept[0] is not slab:
+                return
+            self.kept = None
+            self.store.discard()
+        if "budget" not in self._warned:
+            self._warned.add("budget")
+            log.warning("mpckpt: the memory budget has no room to keep the newest snapshot in memory while saving "
+                        "the next one; a crash now restores from storage. Raise memory_budget to about twice the "
+                        "state to keep one")
+
+    def warn_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("mpckpt: %s", text)
+
+    def close(self, *, leave: bool) -> None:
+        """Let go (before the arena closes); ``leave``: the kept snapshot stays for the next process."""
+        with self._lock:
+            if self.found is not None:
+                self.found.close()
+                self.found = None
+            self._close_others()
+            self.kept = None
+            self.store.release(leave=leave)
+        if self._hashers is not None:
+            self._hashers.shutdown(wait=True)

@@ -1,0 +1,134 @@
+"""What a snapshot kept in shared memory holds: the record beside its bytes (``mpckpt-kept`` v1).
+
+A kept snapshot is two files in /dev/shm (``store``): its data (a slab: each shard file's
+data at an offset) and this record, JSON, written after the last byte of the data was copied
+and hashed and put in place with one rename: a record exists only for a complete snapshot.
+It says whose it is (user, root URL, rank of a world size), which step and save sequence it
+holds, and every file the checkpoint would have on storage: the skeleton's bytes themselves,
+and for each shard its safetensors header, where its data sits in the slab, its size and
+xxh3-64 (the manifest's checksum of that file, the very value storage gets), and in a
+multi-rank save its block checksums. A canonical-text checksum covers the record, as the
+manifest's does, so a torn or edited record is refused, never trusted.
+
+``manifest()`` is the checkpoint's manifest as a memory source presents it: a restore checks
+every byte read from memory against it (``_read.verified``), as it checks storage.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.manifest import FileEntry, Manifest, checksum, format_version_for
+from mpckpt.format.names import check_relpath
+
+FORMAT = "mpckpt-kept"
+VERSION = 1
+MAX_RECORD_BYTES = 256 << 20  # a skeleton is at most 64 MiB (format.skeleton), base64 and a few entries on top
+
+
+@dataclass(frozen=True)
+class Span:
+    """One shard file of a kept snapshot: its header, and where its data sits in the slab."""
+
+    header: bytes
+    offset: int   # of its data in the slab
+    nbytes: int   # of its data
+    checksum: str  # xxh3-64 of header + data: the manifest's checksum of the file
+    blocks: tuple[str, ...] = ()  # xxh3-64 of every block of the file (a multi-rank save's)
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.nbytes
+
+
+@dataclass(frozen=True)
+class KeptRecord:
+    """One complete snapshot kept in shared memory (see the module docstring)."""
+
+    uid: int
+    root: str
+    rank: int
+    world_size: int
+    step: int
+    seq: int          # the save's sequence number (-1: a memory-only save, never on storage)
+    data: str         # the name of its data file in /dev/shm
+    data_size: int
+    created_unix: float
+    spans: dict[str, Span] = field(default_factory=dict)   # shard files
+    small: dict[str, bytes] = field(default_factory=dict)  # files held whole (the skeleton)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ranked(self) -> bool:
+        return self.world_size > 1
+
+    def file_entries(self) -> dict[str, FileEntry]:
+        files = {rel: FileEntry(span.size, span.checksum) for rel, span in self.spans.items()}
+        files.update({rel: FileEntry(len(data), checksum(data)) for rel, data in self.small.items()})
+        return files
+
+    def manifest(self, others: list[KeptRecord] = ()) -> Manifest:  # type: ignore[assignment]
+        """The manifest of the checkpoint this record (with the other ranks' ``others``) holds."""
+        files = self.file_entries()
+        for other in others:
+            files.update(other.file_entries())
+        return Manifest(step=self.step, seq=max(self.seq, 0), kind="state", files=files, metrics=dict(self.metrics),
+                        created_unix=self.created_unix, world_size=self.world_size,
+                        format_version=format_version_for("state", files, ranked=self.ranked))
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT, "version": VERSION, "uid": self.uid, "root": self.root, "rank": self.rank,
+            "world_size": self.world_size, "step": self.step, "seq": self.seq, "data": self.data,
+            "data_size": self.data_size, "created_unix": self.created_unix, "metrics": self.metrics,
+            "spans": {rel: {"header": base64.b64encode(s.header).decode(), "offset": s.offset, "nbytes": s.nbytes,
+                            "xxh3_64": s.checksum, "blocks": list(s.blocks)} for rel, s in sorted(self.spans.items())},
+            "small": {rel: base64.b64encode(data).decode() for rel, data in sorted(self.small.items())},
+        }
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        body["record_checksum"] = checksum(canonical.encode())
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, path: str) -> KeptRecord:
+        """The record in ``data``; ``CorruptCheckpointError`` naming ``path`` for anything else."""
+        try:
+            body = json.loads(data)
+            if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
+                raise ValueError(f"not an {FORMAT} record of version {VERSION}")
+            claimed = body.pop("record_checksum", None)
+            if claimed != checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()):
+                raise ValueError("its checksum does not match its content (torn or edited)")
+            spans = {}
+            for rel, s in body["spans"].items():
+                check_relpath(rel)
+                spans[rel] = Span(base64.b64decode(s["header"], validate=True), _count(s["offset"]),
+                                  _count(s["nbytes"]), str(s["xxh3_64"]), tuple(str(b) for b in s["blocks"]))
+            small = {}
+            for rel, text in body["small"].items():
+                check_relpath(rel)
+                small[rel] = base64.b64decode(text, validate=True)
+            record = cls(uid=_count(body["uid"]), root=str(body["root"]), rank=_count(body["rank"]),
+                         world_size=_count(body["world_size"]), step=_count(body["step"]), seq=int(body["seq"]),
+                         data=str(body["data"]), data_size=_count(body["data_size"]),
+                         created_unix=float(body["created_unix"]), spans=spans, small=small,
+                         metrics=dict(body.get("metrics") or {}))
+            for rel, span in spans.items():
+                if span.offset + span.nbytes > record.data_size:
+                    raise ValueError(f"file {rel!r} lies past the end of its data ({record.data_size} bytes)")
+            if record.world_size < 1 or record.rank >= record.world_size:
+                raise ValueError(f"rank {record.rank} of a world of {record.world_size}")
+            return record
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{path}: not a usable record of a kept snapshot ({str(e)[:200]})",
+                                         path=path) from e
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{str(value)[:40]!r} is not a non-negative integer")
+    return value

@@ -1,0 +1,78 @@
+"""A checkpoint read from snapshots kept in this node's shared memory: the ``memory`` source.
+
+It presents the files a kept snapshot holds (``record``) as the ``Source`` of the read side
+(``_read.sources``): the skeleton from the record, each shard as its header followed by its
+data in the slab. In a multi-rank job it presents the files of every rank whose snapshot of
+the step is kept on this node; a file of a rank kept elsewhere is missing, and the restore
+reads that step from storage instead. Nothing it returns is trusted: the readers check every
+size and every byte against the manifest (``_read.verified``) as they do for storage.
+
+Bytes are copied with ``memmove`` through ctypes, which releases the GIL, so the read side's
+threads copy in parallel while the calling thread hashes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+from mpckpt._keep.record import Span
+from mpckpt._keep.store import Found
+from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from mpckpt.format.manifest import Manifest
+from mpckpt.format.names import checkpoint_name
+
+
+def _address(buffer: object) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # type: ignore[arg-type]
+
+
+class MemorySource:
+    """The files of step ``manifest.step`` in the kept snapshots ``found`` (one per rank here)."""
+
+    kind = "memory"
+
+    def __init__(self, found: Sequence[Found], manifest: Manifest) -> None:
+        self.name = checkpoint_name(manifest.step)
+        self.manifest = manifest
+        self._files: dict[str, tuple[Found, Span | bytes]] = {}
+        for f in found:
+            for rel, span in f.record.spans.items():
+                self._files[rel] = (f, span)
+            for rel, data in f.record.small.items():
+                self._files[rel] = (f, data)
+
+    def location(self, relpath: str) -> str:
+        held = self._files.get(relpath)
+        return f"{held[0].path} ({relpath})" if held is not None else f"memory ({relpath})"
+
+    def size(self, relpath: str) -> int:
+        held = self._files.get(relpath)
+        if held is None:
+            raise CheckpointNotFoundError(f"{relpath} of {self.name} is not kept in this node's memory")
+        what = held[1]
+        return what.size if isinstance(what, Span) else len(what)
+
+    def read_into(self, relpath: str, offset: int, out: memoryview) -> None:
+        held = self._files.get(relpath)
+        if held is None:
+            raise CheckpointNotFoundError(f"{relpath} of {self.name} is not kept in this node's memory")
+        found, what = held
+        end = offset + len(out)
+        if offset < 0 or end > self.size(relpath):
+            raise CorruptCheckpointError(f"{self.location(relpath)}: a read of [{offset}, {end}) lies past its end",
+                                         path=self.location(relpath))
+        if isinstance(what, bytes):
+            out[:] = what[offset:end]
+            return
+        head = what.header
+        at = 0
+        if offset < len(head):  # the header part
+            n = min(len(head), end) - offset
+            out[:n] = head[offset:offset + n]
+            at, offset = n, len(head)
+        n = len(out) - at
+        if n <= 0:
+            return
+        start = what.offset + offset - len(head)
+        ctypes.memmove(_address(out[at:]), _address(found.data) + start, n)  # releases the GIL

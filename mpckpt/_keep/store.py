@@ -1,0 +1,322 @@
+"""The files of kept snapshots in /dev/shm: naming, the keeper's lock, publishing, finding, removing.
+
+A snapshot kept for root R and rank r by user U lives under one base name::
+
+    mpckpt-kept-<U>-<key>-r<r>.lock      held (flock) by the live process keeping for R, r
+    mpckpt-kept-<U>-<key>-r<r>.record    the record (``record``): exists only for a complete snapshot
+    mpckpt-kept-<U>-<key>-r<r>-<32 hex>  its data: a second name (hard link) of the slab holding it
+
+``key`` is the first 16 hex digits of the SHA-256 of R's URL; the record names R in full and is
+checked against it. These names are outside the segment names the reaper judges
+(``_stage.shm``): a kept snapshot outlives its process (that is its purpose) and no process of
+another root ever removes, reads or trusts it. The slab keeps its own name, which the
+uploaders attach to; when its process dies, the reaper unlinks that name and the data stays
+reachable through the kept one.
+
+Publishing a newer snapshot: link its slab under a new data name, write the record to a
+temporary name and rename it over the old one (atomic), then unlink the older data name. A
+crash at any point leaves the old record with its data, or the new one with its data; a data
+name no record lists is removed by the next holder. Only the holder of the lock publishes,
+adopts or removes; readers (the other ranks of a job on this node) only read.
+
+Everything here is opened without following links and used only when it is a regular file of
+this user with mode 0600; anything else is ignored with a warning, and storage is used.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+
+from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
+from mpckpt.errors import CorruptCheckpointError
+
+log = logging.getLogger("mpckpt")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mpckpt-kept-"
+_BASE_RE = re.compile(r"mpckpt-kept-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
+_DATA_RE = re.compile(r"(mpckpt-kept-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
+
+
+def root_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def base_name(url: str, rank: int, uid: int | None = None) -> str:
+    return f"{PREFIX}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def _open_checked(name: str, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    """``name`` in /dev/shm opened without following a link, if it is a regular file of this user
+    with mode 0600; ``OSError`` (EPERM) naming what is wrong otherwise."""
+    fd = os.open(_path(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EPERM, f"{_path(name)} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{_path(name)} belongs to user {st.st_uid}, not to this user")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            raise OSError(errno.EPERM, f"{_path(name)} has mode {stat.S_IMODE(st.st_mode):o}, not 600")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+@dataclass
+class Found:
+    """A kept snapshot found in /dev/shm: its record and a read-only map of its data."""
+
+    record: KeptRecord
+    data: mmap.mmap
+    path: str  # of the record, for messages
+
+    def close(self) -> None:
+        try:
+            self.data.close()
+        except BufferError:
+            pass  # a view of it is still alive; the mapping goes with it
+
+
+def read_kept(url: str, rank: int, world_size: int) -> Found | None:
+    """The complete snapshot kept for root ``url`` and ``rank`` on this node, checked; None when
+    there is none, or (with a warning saying why) when it cannot be used."""
+    base = base_name(url, rank)
+    name = base + ".record"
+    try:
+        fd, st = _open_checked(name)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored: %s", url, rank, e.strerror)
+        return None
+    try:
+        if st.st_size > MAX_RECORD_BYTES:
+            raise CorruptCheckpointError(f"{_path(name)} is {st.st_size} bytes, more than a record can be")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
+        why = _mismatch(record, url, rank, world_size, base)
+        if why:
+            raise CorruptCheckpointError(f"{_path(name)}: {why}")
+        data_fd, data_st = _open_checked(record.data)
+        try:
+            if data_st.st_size < record.data_size:
+                raise CorruptCheckpointError(f"{_path(record.data)} is {data_st.st_size} bytes, the record says "
+                                             f"{record.data_size} (truncated)")
+            # private and writable only so that ctypes can take its address (``source``): never written
+            data = mmap.mmap(data_fd, record.data_size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) \
+                if record.data_size else mmap.mmap(-1, 1)
+        finally:
+            os.close(data_fd)
+        return Found(record, data, _path(name))
+    except (OSError, CorruptCheckpointError) as e:
+        text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored, storage is used: %s", url,
+                    rank, text)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _mismatch(record: KeptRecord, url: str, rank: int, world_size: int, base: str) -> str:
+    if record.uid != os.geteuid():
+        return f"it is user {record.uid}'s"
+    if record.root != url:
+        return f"it is a snapshot of {record.root!r}, not of {url!r}"
+    if record.rank != rank or record.world_size != world_size:
+        return f"it is rank {record.rank} of {record.world_size}, not rank {rank} of {world_size}"
+    m = _DATA_RE.fullmatch(record.data)
+    if m is None or m.group(1) != base:
+        return f"its data {record.data!r} is not named as this root's"
+    return ""
+
+
+class KeptStore:
+    """The kept snapshot of one root and rank on this node, for the process that holds it."""
+
+    def __init__(self, url: str, rank: int) -> None:
+        self.url, self.rank = url, rank
+        self.base = base_name(url, rank)
+        self._lock_fd: int | None = None
+
+    def hold(self) -> bool:
+        """Take the lock of this root and rank; False (logged) when another live process holds it
+        or the lock file is not ours."""
+        name = self.base + ".lock"
+        try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.warning("mpckpt: cannot keep snapshots in memory for %s: %s: %s", self.url, _path(name), e.strerror)
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600:
+                raise OSError(errno.EPERM, "it is not a regular file of this user with mode 600")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            held = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            log.warning("mpckpt: cannot keep snapshots in memory for %s: %s", self.url,
+                        "another live process keeps them" if held else f"{_path(name)}: {e.strerror}")
+            return False
+        self._lock_fd = fd
+        return True
+
+    @property
+    def held(self) -> bool:
+        return self._lock_fd is not None
+
+    def publish(self, record: KeptRecord, slab_name: str) -> None:
+        """Make ``record`` (its data: the slab ``slab_name``) the kept snapshot; the older one goes."""
+        assert self.held
+        os.link(_path(slab_name), _path(record.data))
+        try:
+            tmp = f"{self.base}.record.tmp-{secrets.token_hex(8)}"
+            fd = os.open(_path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, record.to_bytes())
+            finally:
+                os.close(fd)
+            os.rename(_path(tmp), _path(self.base + ".record"))  # INVARIANT: after the last byte
+        except BaseException:
+            _unlink(record.data)
+            raise
+        self.remove_data(keep=record.data)
+
+    def new_data_name(self) -> str:
+        return f"{self.base}-{secrets.token_hex(16)}"
+
+    def remove_data(self, keep: str | None = None) -> None:
+        """Unlink every data name of this root and rank but ``keep`` (and stray temporary records)."""
+        for name in _listdir():
+            m = _DATA_RE.fullmatch(name)
+            if (m is not None and m.group(1) == self.base and name != keep) or \
+                    name.startswith(self.base + ".record.tmp-"):
+                _unlink(name)
+
+    def discard(self) -> None:
+        """Remove the kept snapshot: the record first (it is then no longer complete), then its data."""
+        if self.held:
+            _unlink(self.base + ".record")
+            self.remove_data()
+
+    def release(self, *, leave: bool) -> None:
+        """Let go of the lock; unless ``leave``, remove the kept snapshot and the lock file first."""
+        if self._lock_fd is None:
+            return
+        if not leave:
+            self.discard()
+            _unlink(self.base + ".lock")  # INVARIANT: removed while still locked
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def _listdir() -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    except OSError:
+        return []
+
+
+@dataclass
+class Listed:
+    """A kept snapshot of this user as ``mpckpt gc`` sees it."""
+
+    base: str
+    root: str | None   # None when its record is missing or unreadable
+    rank: int
+    step: int | None
+    nbytes: int        # of its files in /dev/shm
+    held: bool         # a live process keeps it (its lock is held)
+
+
+def list_kept() -> list[Listed]:
+    """Every kept snapshot of this user on this node (another user's are never looked at)."""
+    uid = str(os.geteuid())
+    bases: dict[str, int] = {}
+    for name in _listdir():
+        m = _BASE_RE.match(name)
+        if m is None or m.group(1) != uid:
+            continue
+        try:
+            st = os.lstat(_path(name))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            bases[m.group(0)] = bases.get(m.group(0), 0) + st.st_blocks * 512
+    out = []
+    for base, nbytes in sorted(bases.items()):
+        root = step = None
+        try:
+            fd, _ = _open_checked(base + ".record")
+            with os.fdopen(fd, "rb") as f:
+                record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(base + ".record"))
+            root, step = record.root, record.step
+        except (OSError, CorruptCheckpointError):
+            pass
+        m = _BASE_RE.fullmatch(base)
+        assert m is not None
+        out.append(Listed(base, root, int(m.group(3)), step, nbytes, _lock_held(base)))
+    return out
+
+
+def _lock_held(base: str) -> bool:
+    try:
+        fd = os.open(_path(base + ".lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # not ours to judge: treated as held, never removed
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove_kept(base: str) -> bool:
+    """Remove the kept snapshot ``base`` of this user unless a live process holds it."""
+    m = _BASE_RE.fullmatch(base)
+    if m is None or m.group(1) != str(os.geteuid()):
+        return False
+    lock = base + ".lock"
+    try:
+        fd = os.open(_path(lock), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        for name in _listdir():
+            d = _DATA_RE.fullmatch(name)
+            if name.startswith(base + ".record") or (d is not None and d.group(1) == base):
+                _unlink(name)
+        _unlink(lock)
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,257 @@
+"""Snapshots kept in this node's shared memory: restarts restore from them, and only when they are safe.
+
+Real processes SIGKILLed at the moments that matter (mid-upload, mid-snapshot, after a memory-only
+save), real /dev/shm. In-process cases close with ``leave_in_memory=True`` (what a crash leaves)
+and then damage what was left: one flipped byte, a removed or truncated data file, another
+user's or another root's files, a wrong mode. Each must fall back to storage with the right
+step, and never restore a wrong byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mpckpt
+from mpckpt.errors import ConfigError
+from mpckpt._keep import store
+from mpckpt._stage import shm as _shm
+from tests.conftest import assert_same, make_model, train_step
+
+TRAINER = str(Path(__file__).with_name("keep_trainer.py"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_left() -> Any:
+    """Whatever a test kept in memory goes with it (kept snapshots of other runs are left alone)."""
+    before = {k.base for k in store.list_kept()}
+    yield
+    for kept in store.list_kept():
+        if kept.base not in before:
+            store.remove_kept(kept.base)
+
+
+def trainer(root: Path, out: Path, *args: Any, ok: bool = True) -> int:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, TRAINER, str(root), str(out), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=180)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
+
+
+def restored(out: Path) -> dict[str, Any]:
+    return json.loads((out / "restored.json").read_text())
+
+
+def assert_restored(out: Path, saved_in: Path, step: int) -> None:
+    """What the restart in ``out`` restored is, bit for bit, what the run in ``saved_in`` saved at ``step``."""
+    assert_same(torch.load(out / "restored.pt"), torch.load(saved_in / f"state-{step}.pt"))
+
+
+def kept_files(url: str) -> list[str]:
+    base = store.base_name(url, 0)
+    return sorted(n for n in os.listdir(store.SHM_DIR) if n.startswith(base))
+
+
+# -- SIGKILLed trainers, restarted ---------------------------------------------------------------------
+
+def test_a_kill_right_after_a_memory_only_save_loses_no_step(tmp_path):
+    root = tmp_path / "root"
+    code = trainer(root, tmp_path / "a", "--steps", 6, "--storage-every", 3, "--kill-after", 4, ok=False)
+    assert code == -9
+    assert not (root / "step_0000000004").exists(), "a memory-only save is never uploaded"
+    trainer(root, tmp_path / "b", "--steps", 6, "--storage-every", 3)
+    seen = restored(tmp_path / "b")
+    assert (seen["step"], seen["source"]) == (4, "memory") and seen["bytes"] > 0
+    assert_restored(tmp_path / "b", tmp_path / "a", 4)
+
+
+def test_a_kill_during_the_upload_restores_that_step_from_memory(tmp_path):
+    root, gate = tmp_path / "root", tmp_path / "gate"
+    code = trainer(root, tmp_path / "a", "--steps", 5, "--gate", gate, "--kill-after", 2, ok=False)
+    assert code == -9
+    assert not list(root.glob("step_*")), "no upload may have finished: the gate was closed"
+    gate.touch()
+    trainer(root, tmp_path / "b", "--steps", 5, "--gate", gate)
+    seen = restored(tmp_path / "b")
+    assert (seen["step"], seen["source"]) == (2, "memory")
+    assert_restored(tmp_path / "b", tmp_path / "a", 2)
+    assert mpckpt.Checkpointer(root, read_only=True).steps() == [3, 4]
+
+
+def test_a_kill_mid_snapshot_restores_the_previous_complete_one(tmp_path):
+    root = tmp_path / "root"
+    # overlapped: save(3) returns before its copy is complete, and the kill comes at once
+    code = trainer(root, tmp_path / "a", "--steps", 6, "--mode", "memory", "--overlap", "--kill-after", 3, ok=False)
+    assert code == -9
+    trainer(root, tmp_path / "b", "--steps", 6, "--mode", "memory")
+    seen = restored(tmp_path / "b")
+    assert seen["source"] == "memory" and seen["step"] in (2, 3), seen
+    assert_restored(tmp_path / "b", tmp_path / "a", seen["step"])
+
+
+# -- what a crash leaves, damaged: storage is used, with the right step ------------------------------
+
+def _crash(root: Path, steps: int, *, memory_after: int | None = None, **options: Any) -> dict[int, Any]:
+    """Save ``steps`` steps (the ones after ``memory_after`` in memory only) and close as a crash
+    would leave things: the kept snapshot stays. Returns the state saved at each step."""
+    model, opt = make_model()
+    saved = {}
+    with mpckpt.Checkpointer(root, memory_budget="64MiB", **options) as ckpt:
+        for s in range(steps):
+            train_step(model, opt, s)
+            mode = "memory" if memory_after is not None and s > memory_after else "sync"
+            ckpt.save(s, {"model": model, "optim": opt}, mode=mode)
+            saved[s] = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+        ckpt.close(leave_in_memory=True)
+    return saved
+
+
+def _restart(root: Path, **options: Any) -> tuple[mpckpt.Checkpointer, dict[str, Any], int | None]:
+    model, opt = make_model(seed=7)
+    ckpt = mpckpt.Checkpointer(root, memory_budget="64MiB", **options)
+    state = {"model": model, "optim": opt}
+    return ckpt, state, ckpt.restore(state)
+
+
+def test_an_intact_kept_snapshot_is_restored_from_memory_and_its_slab_serves_the_next_save(tmp_path):
+    root = tmp_path / "root"
+    saved = _crash(root, 3)
+    ckpt, state, step = _restart(root)
+    with ckpt:
+        assert step == 2 and ckpt.last_restore.source == "memory" and ckpt.last_restore.bytes > 0
+        assert_same({k: v for k, v in state["model"].state_dict().items()}, saved[2]["model"])
+        adopted = {s.name for s in ckpt._rt.arena._slabs}
+        assert len(adopted) == 1, "the kept slab was taken over"
+        ckpt.save(3, state)
+        assert ckpt._rt.keeper.kept[0].name in adopted, "the first save after the restart made a new slab"
+
+
+@pytest.mark.parametrize("damage", ["flip", "remove", "truncate", "mode", "record"])
+def test_a_damaged_kept_snapshot_falls_back_to_storage(tmp_path, damage, caplog):
+    root = tmp_path / "root"
+    saved = _crash(root, 3)
+    names = kept_files(str(root))
+    data = next(n for n in names if not n.endswith((".lock", ".record")))
+    path = os.path.join(store.SHM_DIR, data)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0x40]))
+    elif damage == "remove":
+        os.unlink(path)
+    elif damage == "truncate":
+        os.truncate(path, 4096)
+    elif damage == "mode":
+        os.chmod(path, 0o644)
+    else:
+        record = os.path.join(store.SHM_DIR, store.base_name(str(root), 0) + ".record")
+        with open(record, "r+b") as f:
+            f.seek(40)
+            f.write(b"#")
+    ckpt, state, step = _restart(root)
+    with ckpt:
+        assert step == 2 and ckpt.last_restore.source == "storage", (damage, ckpt.last_restore)
+        assert_same({k: v for k, v in state["model"].state_dict().items()}, saved[2]["model"])
+    assert "memory" in caplog.text
+
+
+def test_a_damaged_memory_only_step_falls_back_to_the_newest_on_storage(tmp_path):
+    root = tmp_path / "root"
+    saved = _crash(root, 4, memory_after=1)  # 0, 1 on storage; 2, 3 in memory (3 kept)
+    data = next(n for n in kept_files(str(root)) if not n.endswith((".lock", ".record")))
+    with open(os.path.join(store.SHM_DIR, data), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    ckpt, state, step = _restart(root)
+    with ckpt:
+        assert step == 1 and ckpt.last_restore.source == "storage"
+        assert_same({k: v for k, v in state["model"].state_dict().items()}, saved[1]["model"])
+        ckpt.save(2, state)  # step 2 may be saved again: memory's 3 was never restored
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_another_users_kept_snapshot_is_never_used(tmp_path, caplog):
+    root = tmp_path / "root"
+    _crash(root, 3, memory_after=1)
+    for name in kept_files(str(root)):
+        os.chown(os.path.join(store.SHM_DIR, name), 4242, 4242)
+    ckpt, _, step = _restart(root)
+    with ckpt:
+        assert step == 1 and ckpt.last_restore.source == "storage"
+    assert "cannot keep" in caplog.text or "user" in caplog.text
+    for name in kept_files(str(root)):
+        os.chown(os.path.join(store.SHM_DIR, name), 0, 0)
+
+
+def test_another_roots_kept_snapshot_is_never_read_reaped_or_trusted(tmp_path, caplog):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _crash(a, 3, memory_after=1)
+    left = kept_files(str(a))
+    _crash(b, 2)  # b's own snapshot, then its record replaced by a's (named as b's)
+    base_a, base_b = store.base_name(str(a), 0), store.base_name(str(b), 0)
+    os.replace(os.path.join(store.SHM_DIR, base_a + ".record"), os.path.join(store.SHM_DIR, base_b + ".record"))
+    ckpt, _, step = _restart(b)
+    with ckpt:
+        assert step == 1 and ckpt.last_restore.source == "storage"
+    assert f"a snapshot of {str(a)!r}" in caplog.text
+    assert set(left) - {base_a + ".record"} <= set(os.listdir(store.SHM_DIR)), "a's files were removed by b"
+
+
+def test_keep_in_memory_off_keeps_nothing_and_close_releases_what_it_kept(tmp_path):
+    root = tmp_path / "root"
+    model, opt = make_model()
+    with mpckpt.Checkpointer(root, keep_in_memory=False, memory_budget="64MiB") as ckpt:
+        ckpt.save(0, {"model": model, "optim": opt}, mode="sync")
+        assert not [n for n in kept_files(str(root)) if not n.endswith(".lock")]
+    with mpckpt.Checkpointer(root, memory_budget="64MiB") as ckpt:
+        ckpt.save(1, {"model": model, "optim": opt}, mode="sync")
+        assert any(n.endswith(".record") for n in kept_files(str(root)))
+    assert kept_files(str(root)) == [], "close() without leave_in_memory releases the kept snapshot"
+
+
+def test_the_kept_slab_counts_against_the_budget(tmp_path, caplog):
+    model, opt = make_model(width=512, depth=2)  # ~6 MiB with the moments
+    state = {"model": model, "optim": opt}
+    with mpckpt.Checkpointer(tmp_path / "roomy", memory_budget="64MiB") as ckpt:
+        for s in range(4):
+            train_step(model, opt, s)
+            ckpt.save(s, state)
+            arena = ckpt._rt.arena
+            assert arena.allocated_bytes <= arena.budget_bytes
+        ckpt.wait()
+        assert ckpt._rt.keeper.kept is not None
+    with mpckpt.Checkpointer(tmp_path / "tight", memory_budget="13MiB", policy="block") as ckpt:
+        for s in range(3):
+            train_step(model, opt, s)
+            ckpt.save(s, state, mode="sync")
+            assert ckpt._rt.arena.allocated_bytes <= ckpt._rt.arena.budget_bytes
+    assert _shm.segments_of_this_process() == []
+
+
+def test_memory_saves_need_one_slab_and_are_refused_clearly_otherwise(tmp_path):
+    model, opt = make_model(width=512, depth=2)
+    train_step(model, opt, 0)  # ~6 MiB with the moments
+    with mpckpt.Checkpointer(tmp_path / "r", memory_budget="4MiB") as ckpt:
+        with pytest.raises(ConfigError, match="memory_budget"):
+            ckpt.save(0, {"model": model, "optim": opt}, mode="memory")
+
+
+def test_environment_variable_sets_keep_in_memory(tmp_path):
+    from mpckpt.config import Config
+
+    assert Config.resolve(environ={}).keep_in_memory is True
+    assert Config.resolve(environ={"MPCKPT_KEEP_IN_MEMORY": "0"}).keep_in_memory is False
+    with pytest.raises(ConfigError, match="MPCKPT_KEEP_IN_MEMORY"):
+        Config.resolve(environ={"MPCKPT_KEEP_IN_MEMORY": "maybe"})
