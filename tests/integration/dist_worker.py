@@ -10,7 +10,8 @@ what it saw into the folder ``OUT``, which the test reads afterwards:
               Rank 0 dumps the full tensors after each save (``full-<step>.pt``); every rank writes its view
               (``view-a<attempt>-r<rank>.json``) and, after the last save, what ``torch.rand(3)`` draws
               (``draw-r<rank>.pt``). ``--crash-at K``: rank 1 SIGKILLs itself right after ``save(K)`` on a
-              torchrun job's first attempt (a restarted attempt does not crash).
+              torchrun job's first attempt (a restarted attempt does not crash). ``--memory-after K``: the
+              steps after K but the last are saved with ``mode="memory"`` (kept in memory, never uploaded).
 ``restore``   a fresh model (other initial weights) and an optimizer without state restore the latest
               checkpoint, saved by ``--saved-world`` ranks: at another world size ``restore(strict=True)``
               must raise a StateError (its message goes to the view), then ``strict=False`` restores. Rank 0
@@ -147,7 +148,8 @@ def train(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
         start = 0 if resumed is None else resumed + 1
         for step in range(start, args.steps):
             train_step(model, opt, step, rank)
-            ckpt.save(step, state)
+            memory = args.memory_after is not None and args.memory_after < step < args.steps - 1
+            ckpt.save(step, state, mode="memory" if memory else "async")
             if args.crash_at == step and "TORCHELASTIC_RESTART_COUNT" in os.environ and attempt() == 0:
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -159,7 +161,8 @@ def train(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
         ckpt.wait()
         draw(out / f"draw-r{rank}.pt")  # the first draws after the last save: what restoring it gives back
         write_json(out / f"view-a{attempt()}-r{rank}.json",
-                   {"resumed": resumed, "latest": ckpt.latest_step, "steps": ckpt.steps(), "world": world})
+                   {"resumed": resumed, "latest": ckpt.latest_step, "steps": ckpt.steps(), "world": world,
+                    "source": getattr(ckpt.last_restore, "source", None)})
 
 
 def restore(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
@@ -259,6 +262,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--fallback", action="store_true")
     parser.add_argument("--crash-at", type=int)
+    parser.add_argument("--memory-after", type=int)
     parser.add_argument("--saved-world", type=int)
     parser.add_argument("--timeout-s", type=float, default=10.0)
     args = parser.parse_args()

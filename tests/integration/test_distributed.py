@@ -352,6 +352,18 @@ def test_elastic_restart_resumes_from_the_latest_commit_and_ends_as_an_uninterru
     assert_same(mpckpt.load(fsdp2.root), mpckpt.load(run.root))  # the moments, the steps, every rank's generators
 
 
+def test_elastic_restart_restores_from_memory_on_every_rank(tmp_path, fsdp2):
+    """Steps after 0 but the last are kept in memory only; rank 1 is killed after step 2's save:
+    the restarted attempt restores step 2 from this node's memory on both ranks (every rank's
+    snapshot is read where it needs it) and ends as an uninterrupted run."""
+    run = train(tmp_path, 2, STEPS, "--crash-at", 2, "--memory-after", 0, launcher=("--max-restarts=1",))
+    views = run.views("view-a1")
+    assert [(v["resumed"], v["source"]) for v in views] == [(2, "memory")] * 2, views
+    assert [v["latest"] for v in views] == [STEPS - 1] * 2, views
+    assert_equals_full(mpckpt.load(run.root), fsdp2.full(STEPS - 1))
+    assert_same(mpckpt.load(fsdp2.root), mpckpt.load(run.root))
+
+
 def test_ranks_saving_different_states_get_a_state_error_naming_the_key(tmp_path):
     torchrun(2, "mismatch", tmp_path / "roots", tmp_path / "out", log=tmp_path / "log.txt")
     for case, key in [("extra-key", "extra"), ("extra-value", "epoch"), ("shape", "counter")]:
