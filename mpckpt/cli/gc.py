@@ -1,7 +1,11 @@
 """``mpckpt gc [ROOT ...]``: remove what dead trainers left behind.
 
 Shared memory of dead trainers first (segments without an owner file are left alone and
-named: only root in the host's PID namespace can tell whether they are in use), then, under
+named: only root in the host's PID namespace can tell whether they are in use), and the
+snapshots this user's trainers kept in memory (``keep_in_memory``) that no live process keeps
+any more: each is named with its root, rank, step and size as it goes (a restart of that run
+would have restored from it; with it gone, the restart reads storage). Those a live trainer
+keeps are listed and left alone. Then, under
 each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
 (a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
 that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from mpckpt._keep import store as _kept
 from mpckpt._stage import shm as _shm
 from mpckpt.catalog import recover
 from mpckpt.cli._common import backend_for, complain, say
@@ -36,6 +41,13 @@ def run(args: argparse.Namespace) -> int:
         complain(f"left shared memory {name} alone: it has no owner file (an mpckpt before owner files made it), "
                  "and only root in the host's PID namespace can see whether a process still uses it; run "
                  "`mpckpt gc` there, or remove it by hand once no trainer of an older mpckpt runs")
+    for kept in _kept.list_kept():
+        what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
+                else f"the incomplete snapshot {kept.base}")
+        if kept.held:
+            say(f"left {what} kept in memory ({kept.nbytes >> 20} MiB): a live trainer keeps it")
+        elif _kept.remove_kept(kept.base):
+            say(f"removed {what} kept in memory ({kept.nbytes >> 20} MiB): no trainer keeps it any more")
     status = 0
     for root in args.roots:
         try:
