@@ -145,6 +145,23 @@ def _mismatch(record: KeptRecord, url: str, rank: int, world_size: int, base: st
     return ""
 
 
+_held_locks: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _after_fork_in_child() -> None:
+    """A fork child shares the parent's locked file descriptions: close its copies, hold nothing
+    (a flock lives as long as any descriptor of it: a forked uploader would keep the lock)."""
+    for fd in list(_held_locks):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class KeptStore:
     """The kept snapshot of one root and rank on this node, for the process that holds it."""
 
@@ -174,6 +191,7 @@ class KeptStore:
                         "another live process keeps them" if held else f"{_path(name)}: {e.strerror}")
             return False
         self._lock_fd = fd
+        _held_locks.add(fd)
         return True
 
     @property
@@ -221,6 +239,7 @@ class KeptStore:
         if not leave:
             self.discard()
             _unlink(self.base + ".lock")  # INVARIANT: removed while still locked
+        _held_locks.discard(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
 

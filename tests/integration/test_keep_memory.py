@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt.errors import ConfigError
 from mpckpt._keep import store
 from mpckpt._stage import shm as _shm
+from mpckpt.errors import ConfigError
 from tests.conftest import assert_same, make_model, train_step
 
 TRAINER = str(Path(__file__).with_name("keep_trainer.py"))
