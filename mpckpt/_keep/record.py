@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,7 @@ class KeptRecord:
         files.update({rel: FileEntry(len(data), checksum(data)) for rel, data in self.small.items()})
         return files
 
-    def manifest(self, others: list[KeptRecord] = ()) -> Manifest:  # type: ignore[assignment]
+    def manifest(self, others: Sequence[KeptRecord] = ()) -> Manifest:
         """The manifest of the checkpoint this record (with the other ranks' ``others``) holds."""
         files = self.file_entries()
         for other in others:

@@ -159,10 +159,8 @@ def _pid_namespace() -> int:
 
 def _open_new_segment(link_from: str | None = None) -> tuple[_Owner, str, int]:
     """A new segment's owner (made on first use), name and descriptor: counted, created 0600
-    (``link_from``: the segment is a new name of that existing file, opened read-write).
-
-    Both under ``_guard``, so no one ever finds the count above the segments that exist
-    or are being unlinked.
+    (``link_from``: a new name of that existing file, opened read-write). Both under ``_guard``,
+    so no one ever finds the count above the segments that exist or are being unlinked.
     """
     global _owner, _hooks_installed
     with _guard:
@@ -289,9 +287,8 @@ class Segment:
 
     @classmethod
     def adopt(cls, path: str, size: int) -> Segment:
-        """A segment of this process for the existing file ``path`` (a snapshot kept in memory by
-        a process that is gone): a new name of it, counted and owned like a created one, mapped
-        read-write. ``path`` must be a regular file of this user, mode 0600, of ``size`` bytes or more."""
+        """A segment of this process for the file ``path`` (a snapshot a process that is gone kept
+        in memory; this user's, mode 0600, ``size`` bytes or more): a new name, owned as a created one."""
         by, name, fd = _open_new_segment(link_from=path)
         try:
             st = os.fstat(fd)
