@@ -56,6 +56,8 @@ from mpckpt._dist.group import RankGroup
 from mpckpt._dist.opening import open_ranked
 from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
+from mpckpt._keep.keeper import Keeper
+from mpckpt._keep.source import MemorySource
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._read.view import ReadsCommitted
 from mpckpt._stage import shm as _shm
@@ -135,6 +137,8 @@ class Runtime(ReadsCommitted):
         self.committer: Committer | None = None
         self.deleter: Deleter | None = None
         self.arena: Arena | None = None
+        self.keeper: Keeper | None = None
+        self.leave_in_memory = False  # close(): leave the kept snapshot for the next process
         if group is None:
             self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
             staging_name: Callable[[str], str] = backend.staging_name
@@ -162,6 +166,11 @@ class Runtime(ReadsCommitted):
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend.prepare_staging, self._stats)
             if group is not None:
                 self.saver.planner = Planner(group)
+            # the snapshot a previous process kept in memory is found now; newer ones are kept as saved
+            self.keeper = Keeper(backend.url, self.arena, enabled=config.keep_in_memory,
+                                 rank=0 if group is None else group.rank,
+                                 world_size=1 if group is None else group.world_size)
+            self.saver.keeper = self.keeper
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             if validate_fn is not None:
@@ -185,6 +194,8 @@ class Runtime(ReadsCommitted):
         except BaseException:
             self._stop_background(timeout_s=5)
             self._let_go_of_lock()
+            if self.keeper is not None:  # a failed open never removes what a previous process kept
+                self.keeper.close(leave=True)
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it
 
@@ -193,6 +204,22 @@ class Runtime(ReadsCommitted):
 
     def complete(self, manifest: Manifest) -> Manifest:
         """``manifest`` with its files: a multi-rank summary (``Manifest.complete`` False, what
+    def in_memory(self) -> dict[int, Manifest]:
+        """The snapshot found in this node's memory at open, by step (``_keep``)."""
+        return self.keeper.in_memory() if self.keeper is not None else {}
+
+    def memory_source(self, manifest: Manifest) -> MemorySource | None:
+        return self.keeper.source_for(manifest) if self.keeper is not None else None
+
+    def restored(self, step: int | None) -> None:
+        """A restore finished (``step``: what it restored): take over or drop what was found in memory."""
+        if self.keeper is None:
+            return
+        durable = set(self.ledger.committed())
+        self.keeper.settle(step, durable)
+        if step is not None and step not in durable:  # restored from memory only: saves go on past it
+            self.ledger.take_step(step)
+
         ranks other than 0 learn at a commit) is read from storage, once."""
         if manifest.complete:
             return manifest
@@ -291,6 +318,9 @@ class Runtime(ReadsCommitted):
             force, mode, overlap = True, UploadMode.SYNC, False
         if not force and not due:
             if not self.warmed:
+        if mode is UploadMode.MEMORY:  # kept in memory only: every call is taken (the trigger is for uploads)
+            self.saver.barrier()
+            return self._returned(self.saver.save(step, state, metrics, overlap=False, memory=True), mode, started)
                 self._warm_in_background(state)
             return None
         self.saver.barrier()
@@ -343,7 +373,7 @@ class Runtime(ReadsCommitted):
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
         """Wait for the commit unless ASYNC; record how long the caller was blocked."""
-        if mode is not UploadMode.ASYNC:
+        if mode in (UploadMode.SYNC, UploadMode.NO_UPLOAD):
             future.result(self.wait_s)
         future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
@@ -418,6 +448,8 @@ class Runtime(ReadsCommitted):
 
     def _let_go_of_lock(self) -> None:
         if self.lock is None:  # a rank other than 0 of a multi-rank job: rank 0 holds it
+            if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
+                self.keeper.close(leave=self.leave_in_memory)
             return
         with _held_lock:
             _held.pop(self.backend.url, None)
@@ -442,3 +474,4 @@ class Runtime(ReadsCommitted):
                 log.error("mpckpt: %s: %s", type(other).__name__, other)
         finally:
             self.release()
+        self.leave_in_memory = True  # the program may be ending on an error: a restart may want it
