@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mpckpt._futures import CheckpointerStats, SaveFuture
+from mpckpt._futures import CheckpointerStats, LastRestore, SaveFuture
 from mpckpt._opening import open_root
 from mpckpt._read.restore import restore as restore_state
 from mpckpt._read.view import (
@@ -72,11 +72,12 @@ class Checkpointer:
         validate: Callable[[Checkpoint], Mapping[str, float]] | None = None, validate_timeout_s: float | None = None,
         read_only: bool = False, process_group: Any = None, uploader_priority: str | None = None,
     ) -> None:
+        keep_in_memory: bool | None = None,
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap, allow_pickle=allow_pickle,
             keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
-            uploader_priority=uploader_priority)
+            uploader_priority=uploader_priority, keep_in_memory=keep_in_memory)
         opened = open_root(self, root, self.config, storage_options=storage_options, preemption=preemption,
                            read_only=read_only, process_group=process_group, keep=keep, keep_last=keep_last,
                            trigger=trigger, validate=validate)
@@ -91,6 +92,11 @@ class Checkpointer:
         return self._rt.stats
 
     @property
+    @property
+    def last_restore(self) -> LastRestore | None:
+        """The step the last ``restore`` restored, its source (memory, peer, storage), seconds, bytes."""
+        return self._rt.stats.last_restore
+
     def _closed(self) -> bool:
         return getattr(self, "_rt", None) is None or self._rt.closed
 
@@ -129,15 +135,17 @@ class Checkpointer:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            self.close()
+            self.close(leave_in_memory=exc_type is not None)  # after an error, a restart may want it
         except BaseException as e:
             if exc_type is None:
                 raise
             add_note(exc, f"mpckpt: while closing after this error: {type(e).__name__}: {e}")  # keep the body's
 
-    def close(self) -> None:
+    def close(self, *, leave_in_memory: bool = False) -> None:
         """Wait for every pending upload, stop the uploaders, free shared memory; raise failures.
 
+        ``leave_in_memory``: the snapshot kept in memory stays for the next process of this root
+        (what leaving a ``with`` block by an exception, and closing at exit, do).
         A Checkpointer that is dropped unclosed is closed by its finalizer (or at exit), which
         logs what failed instead of raising it.
         """
@@ -146,6 +154,8 @@ class Checkpointer:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._rt.close()
+        if isinstance(self._rt, Runtime):
+            self._rt.leave_in_memory = leave_in_memory
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None,
