@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from mpckpt._futures import LastRestore
 from mpckpt._read.apply import apply_state, init_optimizer_state
 from mpckpt._read.load import load_state, verify_checkpoint
 from mpckpt._read.ranked import load_ranked_for, shard_like_live
@@ -97,9 +98,31 @@ def candidates(committed: dict[int, Manifest], damaged: dict[int, Exception], st
     return sorted({*(s for s, m in committed.items() if kind is None or m.kind == kind), *damaged}, reverse=True)
 
 
-def sources(view: View, manifest: Manifest) -> list[Source]:
-    """Where checkpoint ``manifest`` can be read from, any order (``first_that_reads`` sorts them)."""
-    return [StorageSource(view.backend, checkpoint_name(manifest.step), manifest)]
+def sources(view: View, manifest: Manifest, *, stored: bool = True) -> list[Source]:
+    """Where checkpoint ``manifest`` can be read from, any order (``first_that_reads`` sorts them):
+    this node's memory when a snapshot kept there is that checkpoint (``_keep``), and storage
+    unless the step is in memory only (``stored`` False)."""
+    found: list[Source] = []
+    in_memory = getattr(view, "memory_source", None)  # a writer's; a read-only view has none
+    memory = in_memory(manifest) if in_memory is not None else None
+    if memory is not None:
+        found.append(memory)
+    if stored:
+        found.append(StorageSource(view.backend, checkpoint_name(manifest.step), manifest))
+    return found
+
+
+def _agreed_memory(view: View, group: Group, committed: dict[int, Manifest]) -> dict[int, Manifest]:
+    """Steps kept in memory only and newer than storage's newest, that every rank has (one
+    all_gather: every rank agrees on the step before anyone copies)."""
+    in_memory = getattr(view, "in_memory", None)
+    newest = max((s for s, m in committed.items() if m.kind == "state"), default=-1)
+    mine = {s: m for s, m in (in_memory() if in_memory is not None else {}).items()
+            if s > newest and s not in committed}
+    if view.group is None:
+        return mine
+    every = group.all_gather(sorted(mine))
+    return {s: m for s, m in mine.items() if all(s in steps for steps in every)}
 
 
 def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = None, fallback: bool = False,
@@ -111,7 +134,8 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
     group = view.group or SOLO
     url = view.backend.url
     for _ in range(_ATTEMPTS):
-        committed, damaged = view.committed(), dict(view.damaged)
+        stored, damaged = view.committed(), dict(view.damaged)
+        committed = {**_agreed_memory(view, group, stored), **stored}
         order = candidates(committed, damaged, step, url, kind)
         if not order:
             # a writer may have committed a newer one and deleted the listed one before its manifest
@@ -121,7 +145,7 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
             return None
         try:
             return _first_readable(view, group, use, order, committed, damaged, step=step, fallback=fallback,
-                                   explain=explain)
+                                   explain=explain, stored=stored)
         except _Gone:
             continue
     raise CheckpointNotFoundError(f"{url}: each newest checkpoint was deleted while it was read, {_ATTEMPTS} "
@@ -130,7 +154,8 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
 
 def _first_readable(view: View, group: Group, use: Callable[[Source], T], order: list[int],
                     committed: dict[int, Manifest], damaged: dict[int, Exception], *, step: int | None,
-                    fallback: bool, explain: bool) -> tuple[int, T, Source, list[int]]:
+                    fallback: bool, explain: bool, stored: dict[int, Manifest]) -> tuple[int, T, Source, list[int]]:
+    """``committed``: storage's (``stored``) and the steps kept in memory only."""
     url = view.backend.url
     skipped: list[int] = []
     for candidate in order:
@@ -140,7 +165,7 @@ def _first_readable(view: View, group: Group, use: Callable[[Source], T], order:
                 raise damaged[candidate]
             with view.reading(candidate):
                 manifest = view.complete(committed[candidate])
-                source, result = first_that_reads(sources(view, manifest), use)
+                source, result = first_that_reads(sources(view, manifest, stored=candidate in stored), use)
         except MpckptError as e:
             if view.read_only and not _still_committed(view.backend, candidate):
                 if step is not None:
@@ -158,6 +183,10 @@ def _first_readable(view: View, group: Group, use: Callable[[Source], T], order:
         if not failed:
             return candidate, result, source, skipped
         if fallback and step is None and all(f[1] for f in every if f is not None):  # alike on every rank
+        if candidate not in stored and step is None:  # kept in memory only: every rank goes on to storage's
+            log.warning("mpckpt: step %s kept in memory cannot be restored%s (%s); restoring from storage",
+                        candidate, f" on rank {failed[0][0]}" if group.world_size > 1 else "", failed[0][1])
+            continue
             where = f" on rank {failed[0][0]}" if group.world_size > 1 else ""
             log.warning("mpckpt: step %s of %s does not verify%s, trying an older one: %s", candidate, url, where,
                         failed[0][1])
