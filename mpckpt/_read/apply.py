@@ -114,7 +114,7 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
             raise StateError(f"state key {where!r}: shape {tuple(loaded.shape)} in the checkpoint, "
                              f"{tuple(target.shape)} in memory", key=path)
         with torch.no_grad():
-            target.copy_(loaded)
+            target.copy_(loaded)  # a leaf read in place (``_read.live``) is target's memory: torch returns at once
         return target
     np = sys.modules.get("numpy")  # a live value cannot be a numpy array unless numpy is imported
     if np is not None and type(target) is np.ndarray:

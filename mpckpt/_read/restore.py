@@ -32,7 +32,8 @@ from mpckpt._read.apply import apply_state, init_optimizer_state
 from mpckpt._read.load import load_state, verify_checkpoint
 from mpckpt._read.ranked import load_ranked_for, shard_like_live
 from mpckpt._read.sources import Source, StorageSource, first_that_reads
-from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MpckptError, RankError, StateError
+from mpckpt._read.whole import load_whole
+from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, MpckptError, RankError, StateError, add_note
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import MANIFEST_NAME, checkpoint_name, step_of
 from mpckpt.storage import Backend
@@ -245,6 +246,12 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
     """Load the newest committed state checkpoint (or ``step``) into ``state`` in place: the
     step restored, or None when there is none (see ``Checkpointer.restore``).
 
+    A single process reads a checkpoint one process saved straight into the live tensors
+    where it can (``whole``, ``live``): the bytes land before their checksum is known, so a read
+    that fails after that has changed the state. The next source or older step (``fallback``)
+    then overwrites every leaf again; when none reads, the error says that the state is
+    undefined (``state_changed``). Everything else is read into fresh tensors and applied.
+
     In a job each rank reads the byte ranges it needs (resharding): optimizers without state
     yet get theirs first (as an optimizer step with zero gradients and learning rate 0 would
     make it), so that their DTensor moments are restored as shards like the parameters.
@@ -253,6 +260,13 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
     url = view.backend.url
     group = view.group
     live: list[dict[str, Any]] = []  # a job's live DTensors by leaf name, found at the first read
+    flat: list[Any] = []  # a single process's live state flattened, at the first read
+    changed: list[BaseException] = []  # the errors of reads that had written into live tensors
+
+    def live_flat() -> Any:
+        if not flat:
+            flat.append(_flat_live(state, allow_pickle))
+        return flat[0]
 
     def targets() -> dict[str, Any]:
         if not live:
@@ -267,7 +281,7 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
     def read_and_apply(source: Source) -> int:
         manifest = source.manifest
         if group is None:
-            loaded = load_state(source, allow_pickle=allow_pickle)
+            loaded = _load_in_place(source, live_flat, allow_pickle=allow_pickle, strict=strict, changed=changed)
             read = sum(e.size for e in manifest.files.values())
         elif manifest.ranked:
             loaded, read = load_ranked_for(source, rank=group.rank, world_size=group.world_size, targets=targets(),
@@ -278,7 +292,11 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
         apply_state(state, loaded, strict=strict, source=f"step {manifest.step} of {url}")
         return read
 
-    found = read_newest(view, read_and_apply, step=step, fallback=fallback)
+    try:
+        found = read_newest(view, read_and_apply, step=step, fallback=fallback)
+    except MpckptError as e:
+        _undefined(e, changed)
+        raise
     if found is None:
         log.info("mpckpt: no checkpoint in %s: starting fresh", url)
         return None
@@ -293,3 +311,55 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
     log.info("mpckpt: restored step %d of %s from %s (%.1f s)", restored, url, source.kind,
              time.perf_counter() - started)
     return restored
+
+
+_UNDEFINED = ("Bytes of a checkpoint that does not verify went into the live tensors before that was known: they "
+              "are partly overwritten, the state is undefined. Restore an intact step (restore(state, fallback=True) "
+              "finds the newest) or rebuild the state before training on")
+
+
+def _flat_live(state: Any, allow_pickle: bool) -> Any:
+    """The live state flattened as a save does (``FlatState``: views of its tensors' memory), or
+    None when it does not flatten: reading in place only saves time, every leaf is then read fresh."""
+    from mpckpt._stage.snapshot import flatten
+
+    try:
+        return flatten(state, allow_pickle=allow_pickle)
+    except Exception as e:  # a value a save refuses, a state_dict() that fails: not this restore's business
+        log.debug("mpckpt: every leaf is read fresh: the live state does not flatten (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _load_in_place(source: Source, live: Callable[[], Any], *, allow_pickle: bool, strict: bool,
+                   changed: list[BaseException]) -> Any:
+    """A single process's load of ``source`` for a restore: a checkpoint one process saved is read
+    into the live tensors where ``whole`` can (``live()``: the live state flattened, or None).
+    A read that fails after writing into them is noted in ``changed``."""
+    manifest = source.manifest
+    if manifest.ranked or manifest.kind != "state":
+        return load_state(source, allow_pickle=allow_pickle)
+    try:
+        loaded = load_whole(source, allow_pickle=allow_pickle, live=live())
+    except BaseException as e:
+        if getattr(e, "state_changed", False):
+            changed.append(e)
+        raise
+    if changed and not strict:
+        log.warning("mpckpt: a checkpoint that did not verify was partly read into the live tensors before %s was "
+                    "read; with strict=False, tensors that %s does not hold may keep its bytes", source.name,
+                    source.name)
+    return loaded
+
+
+def _undefined(e: MpckptError, changed: list[BaseException]) -> None:
+    """When a read went into the live tensors before it failed (``changed``), make ``e`` say that
+    the state is undefined (raised as a new error for a ``CorruptCheckpointError``, a note otherwise)."""
+    if not changed or (getattr(e, "state_changed", False) and all(e is not c for c in changed)):
+        return  # nothing went into live tensors, or whoever made ``e`` said it
+    if isinstance(e, CorruptCheckpointError):
+        text = str(e).removesuffix(". The live state was not changed")  # (``_explained``'s: true of fresh reads)
+        said = type(e)(f"{text}. {_UNDEFINED}", path=e.path)
+        said.state_changed = True  # type: ignore[attr-defined]
+        raise said from e
+    add_note(e, f"mpckpt: {_UNDEFINED}")
+    e.state_changed = True  # type: ignore[attr-defined]
