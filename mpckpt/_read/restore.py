@@ -183,11 +183,11 @@ def _first_readable(view: View, group: Group, use: Callable[[Source], T], order:
         failed = [(r, f[0]) for r, f in enumerate(every) if f is not None]
         if not failed:
             return candidate, result, source, skipped
-        if fallback and step is None and all(f[1] for f in every if f is not None):  # alike on every rank
         if candidate not in stored and step is None:  # kept in memory only: every rank goes on to storage's
             log.warning("mpckpt: step %s kept in memory cannot be restored%s (%s); restoring from storage",
                         candidate, f" on rank {failed[0][0]}" if group.world_size > 1 else "", failed[0][1])
             continue
+        if fallback and step is None and all(f[1] for f in every if f is not None):  # alike on every rank
             where = f" on rank {failed[0][0]}" if group.world_size > 1 else ""
             log.warning("mpckpt: step %s of %s does not verify%s, trying an older one: %s", candidate, url, where,
                         failed[0][1])
