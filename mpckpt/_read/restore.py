@@ -296,19 +296,25 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
         found = read_newest(view, read_and_apply, step=step, fallback=fallback)
     except MpckptError as e:
         _undefined(e, changed)
-        raise
+        raise  # what was found in memory stays there (``Keeper.close``)
+    settle = getattr(view, "restored", None)  # a writer takes over (or drops) what it found in memory
+    if settle is not None:
+        settle(found[0] if found is not None else None)
     if found is None:
         log.info("mpckpt: no checkpoint in %s: starting fresh", url)
+        if stats is not None:
+            stats.last_restore = None
         return None
     restored, read, source, skipped = found
     if stats is not None:
         stats.restored_bytes = read
+        stats.last_restore = LastRestore(restored, source.kind, time.perf_counter() - started, read)
     aside = sorted({*skipped, *(s for s in view.damaged if s > restored)}) if fallback else []
     if aside and not view.read_only:  # the run goes on from here: those steps are saved again
         view.set_aside(aside, move=(group.rank if group is not None else 0) == 0)
         if group is not None:  # rank 0 moved them; every rank goes on after
             group.all_gather(None)
-    log.info("mpckpt: restored step %d of %s from %s (%.1f s)", restored, url, source.kind,
+    log.info("mpckpt: restored step %d of %s from %s (%.2f s)", restored, url, source.kind,
              time.perf_counter() - started)
     return restored
 
