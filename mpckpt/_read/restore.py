@@ -183,7 +183,7 @@ def _first_readable(view: View, group: Group, use: Callable[[Source], T], order:
         failed = [(r, f[0]) for r, f in enumerate(every) if f is not None]
         if not failed:
             return candidate, result, source, skipped
-        if candidate not in stored and step is None:  # kept in memory only: every rank goes on to storage's
+        if candidate not in stored and candidate not in damaged and step is None:  # in memory only: every rank goes on
             log.warning("mpckpt: step %s kept in memory cannot be restored%s (%s); restoring from storage",
                         candidate, f" on rank {failed[0][0]}" if group.world_size > 1 else "", failed[0][1])
             continue

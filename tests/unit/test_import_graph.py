@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
      "mpckpt.data", "mpckpt._testing"),
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
+    ("mpckpt._keep",),
     ("mpckpt._runtime", "mpckpt._opening"),
     ("mpckpt.checkpointer", "mpckpt"),
     ("mpckpt.integrations", "mpckpt.cli"),
@@ -68,6 +69,10 @@ RULES: list[Rule] = [
     Rule("mpckpt._stage", ("mpckpt._read", "mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer"), _SAVE_WHY),
     Rule("mpckpt._upload", ("mpckpt._read", "mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer"), _SAVE_WHY),
     Rule("mpckpt._read", ("mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer", "mpckpt._upload"), _READ_WHY),
+    Rule("mpckpt._read", ("mpckpt._keep",), "the read side knows a memory source only as a Source the view hands it"),
+    Rule("mpckpt._stage", ("mpckpt._keep",), "a save hands its slab to whatever keeper the runtime wired in"),
+    Rule("mpckpt._keep", ("mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer", "mpckpt._upload",
+                          "mpckpt._commit"), "the recovery tier keeps slabs and reads them; the runtime wires it in"),
 ]
 
 
