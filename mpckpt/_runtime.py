@@ -158,19 +158,21 @@ class Runtime(ReadsCommitted):
                                      priority=config.uploader_priority, max_attempts=config.max_job_attempts,
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
-            self.pool.start()
+            # the workers start and prove they can write beside the recovery and the restore: the
+            # first call that needs them waits (``_uploaders_ready``); ``fork`` forks before other threads run
+            self.pool.start(wait=config.start_method == "fork")
             # staging folders are the commit side's: staging is handed only the calls that make and
             # remove them (in a job a dropped step's folder is the coordinator's to remove)
             budget = Budget(config, self.arena, self.ledger, self.pool, on_wait=self.errors.raise_unseen,
                             abort_staging=backend.abort if group is None else None)
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend.prepare_staging, self._stats)
-            if group is not None:
-                self.saver.planner = Planner(group)
             # the snapshot a previous process kept in memory is found now; newer ones are kept as saved
             self.keeper = Keeper(backend.url, self.arena, enabled=config.keep_in_memory,
                                  rank=0 if group is None else group.rank,
                                  world_size=1 if group is None else group.world_size)
             self.saver.keeper = self.keeper
+            if group is not None:
+                self.saver.planner = Planner(group)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             if validate_fn is not None:
@@ -192,18 +194,16 @@ class Runtime(ReadsCommitted):
                 self.validator.resume(self.ledger.committed())
             preemption.install()
         except BaseException:
-            self._stop_background(timeout_s=5)
-            self._let_go_of_lock()
             if self.keeper is not None:  # a failed open never removes what a previous process kept
                 self.keeper.close(leave=True)
+            self._stop_background(timeout_s=5)
+            self._let_go_of_lock()
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it
 
     def committed(self) -> dict[int, Manifest]:
         return self.ledger.committed()
 
-    def complete(self, manifest: Manifest) -> Manifest:
-        """``manifest`` with its files: a multi-rank summary (``Manifest.complete`` False, what
     def in_memory(self) -> dict[int, Manifest]:
         """The snapshot found in this node's memory at open, by step (``_keep``)."""
         return self.keeper.in_memory() if self.keeper is not None else {}
@@ -220,6 +220,8 @@ class Runtime(ReadsCommitted):
         if step is not None and step not in durable:  # restored from memory only: saves go on past it
             self.ledger.take_step(step)
 
+    def complete(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with its files: a multi-rank summary (``Manifest.complete`` False, what
         ranks other than 0 learn at a commit) is read from storage, once."""
         if manifest.complete:
             return manifest
@@ -316,13 +318,14 @@ class Runtime(ReadsCommitted):
             due, preempted = flags[0][0], any(p for _, p in flags)
         if preempted:  # the job is about to be stopped: this save is the last one
             force, mode, overlap = True, UploadMode.SYNC, False
-        if not force and not due:
-            if not self.warmed:
         if mode is UploadMode.MEMORY:  # kept in memory only: every call is taken (the trigger is for uploads)
             self.saver.barrier()
             return self._returned(self.saver.save(step, state, metrics, overlap=False, memory=True), mode, started)
+        if not force and not due:
+            if not self.warmed:
                 self._warm_in_background(state)
             return None
+        self._uploaders_ready()
         self.saver.barrier()
         overlap = self.config.overlap if overlap is None else bool(overlap)
         # A save allocates an object or two per tensor and creates no cycles: a collection
@@ -354,6 +357,7 @@ class Runtime(ReadsCommitted):
         if checkpoint is None:
             self._stats.reported.append({"step": step, **metrics})
             return None
+        self._uploaders_ready()
         if self.group is not None:
             raise ConfigError("report(checkpoint=...) uploads files one process wrote; in a multi-rank job save the "
                               "state with save(step, state) on every rank, or upload the folder from a single process")
@@ -378,13 +382,22 @@ class Runtime(ReadsCommitted):
         future.stats.blocked_ms = (time.perf_counter() - started) * 1e3
         return future
 
-    def prepare(self, state: Any) -> int:
-        """Make and touch shared memory for the first save of ``state`` now; the bytes reserved."""
-        need = self.saver.slab_bytes_for(state)
+    def prepare(self, state: Any, *, background: bool = False) -> int:
+        """Make and touch shared memory for the first save of ``state``: now, or (``background``,
+        after a restore) in a thread, off the path to a usable model; the bytes of one slab.
+
+        A save that comes before the background is done takes what is made by then, waits for
+        the slab being made, and never makes more than the budget allows (``Arena.ensure_spare``).
+        """
+        need = self.saver.slab_bytes_for(state)  # here: in a job it may agree with the other ranks
         # two slabs: the first save's, and the spare the next save uses while it uploads
         assert self.arena is not None
-        self.arena.reserve(need, count=2)
         self.warmed = True
+        if background:
+            self.arena.ensure_spare(need, count=2)
+            return need
+        self.arena.reserve(need, count=2)
+        self._uploaders_ready()
         return need
 
     def _warm_in_background(self, state: Any) -> None:
@@ -398,10 +411,17 @@ class Runtime(ReadsCommitted):
         assert self.arena is not None
         self.arena.ensure_spare(self.saver.slab_bytes_for(state))
 
+    def _uploaders_ready(self, *, again: bool = True) -> None:
+        """Wait (bounded) for the uploaders started at open; raise why they could not start
+        (``again``: also when already raised; a wait or close raises it only if nobody saw it)."""
+        if self.pool is not None:
+            self.pool.ready(again=again)
+
     # -- closing -----------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> None:
         """Block until every pending checkpoint is committed or failed and retention has deleted."""
         deadline = time.monotonic() + timeout_s
+        self._uploaders_ready(again=False)
         self.saver.barrier()
         self.ledger.wait(timeout_s=timeout_s)
         if self.validator is not None:  # validate=: their metrics, and the retention that follows
@@ -428,6 +448,8 @@ class Runtime(ReadsCommitted):
         self.preemption.uninstall()
         try:
             self.saver.close()
+            if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
+                self.keeper.close(leave=self.leave_in_memory)
             self._stop_background(timeout_s=self.wait_s)
         finally:
             self._let_go_of_lock()
@@ -448,8 +470,6 @@ class Runtime(ReadsCommitted):
 
     def _let_go_of_lock(self) -> None:
         if self.lock is None:  # a rank other than 0 of a multi-rank job: rank 0 holds it
-            if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
-                self.keeper.close(leave=self.leave_in_memory)
             return
         with _held_lock:
             _held.pop(self.backend.url, None)
@@ -465,6 +485,7 @@ class Runtime(ReadsCommitted):
             return
         warnings.warn(f"mpckpt: a Checkpointer of {self.backend.url} was not closed; closing it now "
                       "(use `with mpckpt.Checkpointer(...)` or call close())", ResourceWarning, stacklevel=2)
+        self.leave_in_memory = True  # the program may be ending on an error: a restart may want it
         try:
             self.close()
         except BaseException as e:  # nobody is left to raise it to: log it, never swallow it
@@ -474,4 +495,3 @@ class Runtime(ReadsCommitted):
                 log.error("mpckpt: %s: %s", type(other).__name__, other)
         finally:
             self.release()
-        self.leave_in_memory = True  # the program may be ending on an error: a restart may want it

@@ -14,9 +14,10 @@ delegates everything else to the ``Runtime`` it opens, which never refers back t
     errors  -> _commit.sink.ErrorSink
 
 Opening it checks the root, takes the single-writer lock, removes what a crashed run left
-(``catalog.recover``), and starts and warms the uploader processes. ``save`` returns once the
-state is copied (ASYNC) or committed (SYNC); leaving the block waits for all of it and
-raises what failed.
+(``catalog.recover``), and starts the uploader processes, which warm up while ``restore`` runs
+(the first ``save`` waits for them, and raises if they cannot write to the root). ``save``
+returns once the state is copied (ASYNC) or committed (SYNC); leaving the block waits for all
+of it and raises what failed.
 
 ``read_only=True`` opens none of that (``_read.view.StorageView``): it lists and restores while
 another process writes. ``preemption=`` installs signal handlers (``_preemption``) that make
@@ -71,8 +72,8 @@ class Checkpointer:
         environ: Mapping[str, str] | None = None, preemption: bool | Sequence[int | str] = False,
         validate: Callable[[Checkpoint], Mapping[str, float]] | None = None, validate_timeout_s: float | None = None,
         read_only: bool = False, process_group: Any = None, uploader_priority: str | None = None,
-    ) -> None:
         keep_in_memory: bool | None = None,
+    ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap, allow_pickle=allow_pickle,
             keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
@@ -92,11 +93,11 @@ class Checkpointer:
         return self._rt.stats
 
     @property
-    @property
     def last_restore(self) -> LastRestore | None:
         """The step the last ``restore`` restored, its source (memory, peer, storage), seconds, bytes."""
         return self._rt.stats.last_restore
 
+    @property
     def _closed(self) -> bool:
         return getattr(self, "_rt", None) is None or self._rt.closed
 
@@ -143,19 +144,15 @@ class Checkpointer:
 
     def close(self, *, leave_in_memory: bool = False) -> None:
         """Wait for every pending upload, stop the uploaders, free shared memory; raise failures.
-
-        ``leave_in_memory``: the snapshot kept in memory stays for the next process of this root
-        (what leaving a ``with`` block by an exception, and closing at exit, do).
-        A Checkpointer that is dropped unclosed is closed by its finalizer (or at exit), which
-        logs what failed instead of raising it.
-        """
+        ``leave_in_memory``: the snapshot kept in memory stays for the next process of this root (as
+        leaving a ``with`` block by an exception does, and the finalizer or exit of an unclosed one,
+        which logs what failed instead of raising it)."""
         if self._closed:
             return
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._rt.leave_in_memory = leave_in_memory
         self._rt.close()
-        if isinstance(self._rt, Runtime):
-            self._rt.leave_in_memory = leave_in_memory
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None,
@@ -208,19 +205,17 @@ class Checkpointer:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending checkpoint is committed or failed, and every pending
-        validation (``validate=``) has finished; raise unseen upload failures.
-
-        By default the wait is bounded by ``timeout_s`` (in a multi-rank job: twice that and
-        ten seconds, so that a dead rank is reported by name, as a ``RankError``)."""
+        validation (``validate=``) has finished; raise unseen upload failures. By default the wait
+        is bounded by ``timeout_s`` (in a job: twice that and ten seconds, so that a dead rank is
+        reported by name, as a ``RankError``)."""
         if self._closed:
             return
         self._rt.wait(self._rt.wait_s if timeout_s is None else timeout_s)
         self._rt.errors.raise_unseen()
 
     def delete(self, *steps: int, damaged: bool = False) -> None:
-        """Delete the checkpoints of ``steps`` now, whatever the retention policy says.
-
-        Every other checkpoint stays loadable (a shared file goes once no checkpoint lists it); the
+        """Delete the checkpoints of ``steps`` now, whatever the retention policy says. Every other
+        checkpoint stays loadable (a shared file goes once no checkpoint lists it); the
         newest may go too (its step is not saved again), once no save is pending. Refused as a
         whole, before anything is deleted (``_commit.deletion.refuse``): a step that is not there, a
         damaged one unless ``damaged=True`` (it may be recoverable), a folder another checkpoint
@@ -233,9 +228,8 @@ class Checkpointer:
         self._writer().delete([_check_int(s) for s in steps], damaged=damaged)
 
     def discard_newer(self, step: int) -> list[int]:
-        """Delete the committed checkpoints newer than ``step``, so that saving goes on from there.
-
-        What ``restore(state, step=N, discard_newer=True)`` does after its restore, for a run that
+        """Delete the committed checkpoints newer than ``step``, so that saving goes on from there:
+        what ``restore(state, step=N, discard_newer=True)`` does after its restore, for a run that
         got to ``step`` another way (a framework's own resume; ``0``: a fresh start). Returns the
         deleted steps. Waits for pending saves first; refused when a damaged checkpoint newer than
         ``step`` is in the way (``StepOrderError``) and in a multi-rank job (``ConfigError``).
@@ -244,9 +238,8 @@ class Checkpointer:
         return self._writer().discard_after(_check_int(step))
 
     def forget_deleted(self) -> list[int]:
-        """Stop listing the committed checkpoints that someone else deleted (a framework's own
-        retention, such as Ray Train's ``num_to_keep``, or ``mpckpt rm``): each listed step whose
-        manifest is gone from storage, except the newest. Returns the steps no longer listed."""
+        """Stop listing the committed checkpoints someone else deleted (a framework's retention, such
+        as Ray Train's ``num_to_keep``, ``mpckpt rm``) but the newest; the steps no longer listed."""
         return self._writer().forget_deleted()
 
     def _check_usable(self) -> None:
@@ -254,11 +247,10 @@ class Checkpointer:
             raise MpckptError("this Checkpointer is closed; open a new one")
         self._rt.errors.raise_unseen()
 
-    # -- warming ----------------------------------------------------------------------------------
     def prepare(self, state: Any) -> int:
         """Create and touch shared memory for ``state`` now (as its first save would need).
 
-        ``restore`` calls this for you. Returns the bytes reserved. In a multi-rank job it
+        ``restore`` starts it in the background. Returns the bytes of one slab. In a job it
         reserves what this rank writes (its shards, its share of the replicated tensors), which
         the first call for a state shape agrees with the other ranks: every rank calls it.
         """
@@ -301,7 +293,7 @@ class Checkpointer:
         run saves their steps again. ``strict`` (as ``load_state_dict``): keys only one side has
         are a ``StateError`` naming them; ``strict=False`` restores the keys that match.
         ``discard_newer`` (with ``step``): delete the newer checkpoints, so the run goes on from
-        there. Logs where it restored from (INFO); warms shared memory for saving (not read-only).
+        there. Logs where it restored from (INFO); then warms shared memory for saving in the background.
         """
         self._check_usable()
         if discard_newer and step is None:
@@ -315,7 +307,7 @@ class Checkpointer:
         if discard_newer and restored is not None:
             self._writer().discard_after(restored)
         if not self.read_only:
-            self.prepare(state)
+            self._writer().prepare(state, background=True)  # off the path to a usable model
         return restored
 
 

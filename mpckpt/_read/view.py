@@ -72,6 +72,7 @@ class StorageView(ReadsCommitted):
     """What a read-only Checkpointer holds: its root, listed anew for every question."""
 
     read_only = True
+    leave_in_memory = False  # what close() is told of memory: a read-only view keeps none
     pool = None
     group = None
 

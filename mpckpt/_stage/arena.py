@@ -12,7 +12,10 @@ costs less than a touch pass followed by the copy.
 
 When a save takes the last free slab, ``ensure_spare`` creates and touches one more of the
 same size in a background thread (budget permitting), so the next save, which usually comes
-while this one is still uploading, finds a warm slab instead of paying for page faults.
+while this one is still uploading, finds a warm slab instead of paying for page faults. A
+restore warms for the next saves the same way (``count=2``, one slab at a time), off its own
+path. A save that finds no free slab while one it fits is being made waits for that one
+rather than making another.
 
 INVARIANT: the bytes of all slabs that exist (or are being created) never exceed ``budget_bytes``. When a request
 does not fit, free slabs that are too small are unlinked to make room; if the budget is
@@ -46,6 +49,7 @@ class Slab:
         self.tensor = torch.frombuffer(segment.mmap, dtype=torch.uint8)
         self.views: dict[Any, list[torch.Tensor]] = {}
         self.in_use = False
+        self.kept = False  # holds the newest complete snapshot kept in memory (``_keep``): not free
         self.pinned = False
 
     @property
@@ -68,13 +72,16 @@ class Arena:
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.closed = False
+        # called (holding this arena's lock) when a save needs a kept slab's memory: the keeper
+        # removes its record before the slab is written again
+        self.reclaim: Callable[[Slab], None] | None = None
 
     @property
     def allocated_bytes(self) -> int:
         return sum(s.capacity for s in self._slabs) + self._creating
 
     def _fits(self, nbytes: int) -> Slab | None:
-        free = [s for s in self._slabs if not s.in_use and s.capacity >= nbytes]
+        free = [s for s in self._slabs if not s.in_use and not s.kept and s.capacity >= nbytes]
         return min(free, key=lambda s: s.capacity) if free else None
 
     def _take(self, nbytes: int, *, touch: bool = False) -> Slab | None:
@@ -86,15 +93,22 @@ class Arena:
             raise BudgetError("the checkpointer is closed; its shared memory is gone")
         slab = self._fits(nbytes)
         if slab is None:
+            if self._creating >= nbytes:  # a spare being made will do: wait for it (the caller does)
+                return None
             size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)
             if size < nbytes:
                 raise BudgetError(f"a wave of {nbytes} bytes is larger than the memory budget ({self.budget_bytes})")
-            for idle in sorted((s for s in self._slabs if not s.in_use), key=lambda s: s.capacity):
+            for idle in sorted((s for s in self._slabs if not s.in_use and not s.kept), key=lambda s: s.capacity):
                 if self.allocated_bytes + size <= self.budget_bytes:
                     break
                 self._drop(idle)
             if self.allocated_bytes + size > self.budget_bytes:
-                return None
+                kept = next((s for s in self._slabs if s.kept and not s.in_use), None)
+                if kept is None or self._creating or self.reclaim is None:
+                    return None
+                self.reclaim(kept)  # nothing else is free: the kept snapshot gives way to the save
+                kept.kept = False
+                return self._take(nbytes, touch=touch)
             slab = self._create(size, touch=touch)
         slab.in_use = True
         return slab
@@ -118,30 +132,52 @@ class Arena:
             slab.pinned = _pin(slab.tensor)
         return slab
 
-    def ensure_spare(self, nbytes: int) -> None:
-        """Start making a free slab of ``nbytes`` in the background if none is free and it fits."""
+    def ensure_spare(self, nbytes: int, *, count: int = 1) -> None:
+        """Start making free slabs of ``nbytes`` in a background thread, one at a time, until
+        ``count`` are free (at most ``count`` made), as the budget allows."""
         with self._cond:
-            if self.closed or self._creating or self._fits(nbytes) is not None:
+            size = self._spare_size(nbytes, count)
+            if size is None:
                 return
-            size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)
-            if size < nbytes or self.allocated_bytes + size > self.budget_bytes:
-                return
-            self._creating = size
+            self._creating = size  # INVARIANT: counted in allocated_bytes until it exists or failed
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        threading.Thread(target=self._make_spare, args=(size,), name="mpckpt-spare-slab", daemon=True).start()
+        threading.Thread(target=self._make_spares, args=(nbytes, size, count), name="mpckpt-spare-slab",
+                         daemon=True).start()
 
-    def _make_spare(self, size: int) -> None:
-        try:
-            slab: Slab | None = self._make(size, touch=True)
-        except (BudgetError, OSError, RuntimeError):
-            slab = None  # no room in /dev/shm right now: a later save will wait or stream instead
-        with self._cond:
-            self._creating = 0
-            if slab is not None:
-                self._slabs.append(slab)
-                if self.closed:
-                    self._drop(slab)
-            self._cond.notify_all()
+    def _spare_size(self, nbytes: int, count: int) -> int | None:
+        """The size of one more spare to make now (lock held); None when closed, when one is being
+        made, when ``count`` are free, or when it does not fit the budget."""
+        if self.closed or self._creating:
+            return None
+        free: list[Slab] = []  # counted as saves see them (``_fits``), by holding each for a moment
+        while len(free) < count and (slab := self._fits(nbytes)) is not None:
+            slab.in_use = True
+            free.append(slab)
+        for slab in free:
+            slab.in_use = False
+        size = min(-(-nbytes // _ROUND) * _ROUND, self.budget_bytes)
+        if len(free) >= count or size < nbytes or self.allocated_bytes + size > self.budget_bytes:
+            return None
+        return size
+
+    def _make_spares(self, nbytes: int, size: int, count: int) -> None:
+        for made in range(1, count + 1):
+            try:
+                slab: Slab | None = self._make(size, touch=True)
+            except (BudgetError, OSError, RuntimeError):
+                slab = None  # no room in /dev/shm right now: a later save will wait or stream instead
+            with self._cond:
+                self._creating = 0
+                if slab is not None:
+                    self._slabs.append(slab)
+                    if self.closed:
+                        self._drop(slab)
+                self._cond.notify_all()
+                size_next = self._spare_size(nbytes, count) if slab is not None and made < count else None
+                if size_next is None:
+                    return
+                self._creating = size = size_next
+                self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
 
     def _drop(self, slab: Slab) -> None:
         self._slabs.remove(slab)
@@ -161,6 +197,8 @@ class Arena:
         with self._cond:
             held = []
             for _ in range(count):
+                while self._creating and not self.closed:  # a spare being made (ensure_spare) comes first
+                    self._cond.wait(1.0)
                 try:
                     slab = self._take(min(nbytes, self.budget_bytes), touch=True)
                 except BudgetError as e:
@@ -201,6 +239,34 @@ class Arena:
                         "while uploads were in flight; raise memory_budget, or timeout_s if storage is slow"
                     )
                 self._cond.wait(min(left, 1.0))
+
+    def keep(self, slab: Slab) -> None:
+        """``slab`` holds the kept snapshot: no save takes it until ``unkeep``."""
+        with self._cond:
+            slab.kept = True
+
+    def unkeep(self, slab: Slab) -> None:
+        """``slab`` no longer holds the kept snapshot: free once its uploads are done."""
+        with self._cond:
+            slab.kept = False
+            if self.closed and slab in self._slabs and not slab.in_use:
+                self._drop(slab)
+            self._cond.notify_all()
+
+    def adopt(self, segment: Segment, *, kept: bool) -> Slab | None:
+        """A slab of ``segment`` (a snapshot a previous process kept), if the budget has room;
+        None (the segment unlinked) otherwise."""
+        with self._cond:
+            if self.closed or self.allocated_bytes + segment.size > self.budget_bytes:
+                segment.close()
+                segment.unlink()
+                return None
+            slab = Slab(segment)
+            slab.kept = kept
+            self._slabs.append(slab)
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            self._cond.notify_all()
+            return slab
 
     def release(self, slab: Slab) -> None:
         with self._cond:

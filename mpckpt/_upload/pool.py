@@ -11,9 +11,13 @@ the job fails with an ``UploadError`` naming the file and the exit code.
 
 Workers are started (``spawn``: without the user's main module, with the trainer's
 environment) and pinged when the pool starts: each proves it can write to the root, so the
-first save finds them warm and storage the *uploaders* cannot write to fails at open, not at
-the first upload. They run below training or beside it, as ``priority`` says
-(``config.UploaderPriority``: idle by default).
+first save finds them warm and storage the *uploaders* cannot write to fails clearly before
+any upload. ``start(wait=False)`` leaves that to the dispatcher thread, which does it before
+anything else (jobs submitted meanwhile wait in the queue; if the start fails they fail with
+its error): the Checkpointer opens and restores while the workers start, and ``ready``
+(bounded by the start timeout) gives the outcome to the first call that needs the workers.
+They run below training or beside it, as ``priority`` says (``config.UploaderPriority``:
+idle by default).
 
 Callbacks (``Job.on_done``) run on the dispatcher thread; they must be short and must not
 raise (an exception there is recorded and surfaced by ``take_internal_error``).
@@ -22,6 +26,7 @@ raise (an exception there is recorded and surfaced by ``take_internal_error``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -87,10 +92,8 @@ class _ThreadWorker:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         if not self._thread.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.sentinel)
-            except OSError:
-                pass
 
     def kill(self) -> None:
         """Threads cannot be killed; closing the pipe (done by the pool) ends the loop."""
@@ -131,6 +134,10 @@ class UploaderPool:
         self._closed = False
         self._abandon = False  # set by close() when the queue did not drain in time
         self._thread: threading.Thread | None = None
+        self._start_timeout_s = 120.0
+        self._started = threading.Event()  # the start has an outcome: workers up, or _start_error
+        self._start_error: BaseException | None = None
+        self._start_error_seen = False
         self._internal_errors: list[BaseException] = []
         self.restarts = 0
         self.retries = 0
@@ -151,38 +158,99 @@ class UploaderPool:
             child.close()
         return _Slot(proc, parent)
 
-    def start(self, *, timeout_s: float = 120.0) -> None:
-        """Start every worker and wait until each has proved it can write to the root."""
-        self._slots = [self._spawn(i) for i in range(self.n_workers)]
-        deadline = time.monotonic() + timeout_s
-        for slot in self._slots:
-            slot.conn.send(("ping", 0))
-        for slot in self._slots:
-            if not slot.conn.poll(max(0.0, deadline - time.monotonic())):
-                self.close(timeout_s=5)
-                raise WaitTimeoutError(f"uploader process {slot.process.pid} did not start within {timeout_s:.0f}s")
-            try:
-                status, _, payload = slot.conn.recv()
-            except (EOFError, OSError) as e:
-                slot.process.join(1)
-                code = slot.process.exitcode
-                self.close(timeout_s=5)
-                raise upload_error(
-                    None, f"{self.spec.root}: an uploader process died while starting (exit code {code}, start "
-                    f"method '{self._ctx.get_start_method()}'); its output above says why", e) from e
-            if status == "err":
-                self.close(timeout_s=5)
-                cause = payload.rebuild()
-                raise ConfigError(
-                    f"{self.spec.root}: the uploader processes cannot write there: {type(cause).__name__}: {cause}. "
-                    "They run with this process's environment and the storage options given to the Checkpointer"
-                ) from cause
+    def start(self, *, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Start every worker and have each prove it can write to the root, within ``timeout_s``.
+
+        ``wait``: return once they have, or raise why not (having stopped what was started);
+        otherwise return at once and let ``ready`` tell.
+        """
+        self._start_timeout_s = timeout_s
         self._thread = threading.Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
         self._thread.start()
+        if wait:
+            try:
+                self.ready()
+            except BaseException:
+                self.close(timeout_s=5)
+                raise
+
+    def ready(self, *, again: bool = True) -> None:
+        """Wait until the workers have started (bounded); raise the start's failure.
+
+        ``again``: also a failure raised before (a call that needs the workers); otherwise only
+        one nobody has seen yet (a wait, a close).
+        """
+        if self._thread is None:
+            return
+        if not self._started.wait(self._start_timeout_s + 30.0):  # the dispatcher keeps its own deadline
+            raise WaitTimeoutError(f"the uploader processes did not start within {self._start_timeout_s:.0f}s")
+        error = self._start_error
+        if error is None or (self._start_error_seen and not again):
+            return
+        self._start_error_seen = True
+        raise error.with_traceback(None)
+
+    def _start_workers(self) -> bool:
+        """On the dispatcher thread, before any job: spawn the workers, wait for every ping's answer.
+
+        False when they did not start: a failure (kept for ``ready``; the workers are stopped) or
+        a close meanwhile.
+        """
+        try:
+            for index in range(self.n_workers):
+                if self._stopping:  # closed while starting: close() stops what was started
+                    break
+                slot = self._spawn(index)
+                with self._lock:
+                    self._slots.append(slot)
+            return self._await_pings(time.monotonic() + self._start_timeout_s)
+        except BaseException as e:
+            self._start_error = e
+            self._stop_slots(timeout_s=5)
+            return False
+        finally:
+            self._started.set()
+
+    def _await_pings(self, deadline: float) -> bool:
+        for slot in self._slots:
+            slot.conn.send(("ping", 0))
+        waiting = list(self._slots)
+        while waiting and not self._stopping:
+            ready = mp_wait([self._wake_r, *(s.conn for s in waiting)], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WaitTimeoutError(f"uploader process {waiting[0].process.pid} did not start within "
+                                       f"{self._start_timeout_s:.0f}s")
+            if self._wake_r in ready:  # close() or a submit: look at _stopping again
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            for slot in [s for s in waiting if s.conn in ready]:
+                waiting.remove(slot)
+                self._check_ping(slot)
+        return not waiting
+
+    def _check_ping(self, slot: _Slot) -> None:
+        try:
+            status, _, payload = slot.conn.recv()
+        except (EOFError, OSError) as e:
+            slot.process.join(1)
+            raise upload_error(
+                None, f"{self.spec.root}: an uploader process died while starting (exit code "
+                f"{slot.process.exitcode}, start method '{self._ctx.get_start_method()}'); its output above says why",
+                e) from e
+        if status == "err":
+            cause = payload.rebuild()
+            raise ConfigError(
+                f"{self.spec.root}: the uploader processes cannot write there: {type(cause).__name__}: {cause}. "
+                "They run with this process's environment and the storage options given to the Checkpointer"
+            ) from cause
 
     @property
     def pids(self) -> list[int]:
-        return [s.process.pid for s in self._slots]
+        """The workers' process ids, once started (waits for the start, bounded)."""
+        if self._thread is not None:
+            self._started.wait(self._start_timeout_s + 30.0)
+        with self._lock:
+            return [s.process.pid for s in self._slots]
 
     def close(self, *, timeout_s: float = 30.0) -> None:
         """Stop the workers (after their current job); kill any that do not stop in time.
@@ -202,29 +270,34 @@ class UploaderPool:
                 self._abandon = True  # the dispatcher fails what is left and returns
                 self._wake()
                 self._thread.join(timeout_s)
-        for slot in self._slots:
+        self._stop_slots(timeout_s=timeout_s)
+        if self._thread is not None and self._thread.is_alive():
+            return  # never close descriptors a running thread may still use (their numbers get reused)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _stop_slots(self, *, timeout_s: float) -> None:
+        """Ask every worker to stop; kill those still running after ``timeout_s``."""
+        with self._lock:
+            slots, self._slots = self._slots, []
+        for slot in slots:
             try:
                 slot.conn.send(("stop",))
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout_s
-        for slot in self._slots:
+        for slot in slots:
             slot.process.join(max(0.1, deadline - time.monotonic()))
             if slot.process.is_alive():
                 slot.process.kill()
                 slot.process.join(5)
             slot.conn.close()
-        self._slots = []
-        if self._thread is not None and self._thread.is_alive():
-            return  # never close descriptors a running thread may still use (their numbers get reused)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
     def _fail_left_over(self) -> None:
-        """The pool closes before these jobs finished: fail them, so their checkpoints settle."""
+        """The pool closes (or its workers did not start) before these jobs finished: fail them,
+        so their checkpoints settle."""
+        cause = self._start_error
         with self._lock:
             jobs = [*(j for _, waiting in self._preparing for j in waiting), *self._pending,
                     *(s.job for s in self._slots if s.job is not None)]
@@ -233,9 +306,10 @@ class UploaderPool:
             for slot in self._slots:
                 slot.job = None
         for job in jobs:
+            what = job.payload.relpath
             self._callback(job, None, upload_error(
-                job.step, f"the uploader pool was closed before {job.payload.relpath} was written",
-                shard=job.payload.relpath))
+                job.step, f"the uploader pool was closed before {what} was written" if cause is None
+                else f"{what} was not written: the uploader processes did not start", cause, shard=what))
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, *jobs: Job, before: Callable[[], None] | None = None) -> None:
@@ -282,13 +356,19 @@ class UploaderPool:
             return self._internal_errors.pop(0) if self._internal_errors else None
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError too: a wake-up is pending already
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     # -- dispatcher thread ----------------------------------------------------------------
     def _run(self) -> None:
+        if not self._start_workers():
+            while not self._stopping:  # no workers: every job fails, until close()
+                self._fail_left_over()
+                with contextlib.suppress(OSError):
+                    if mp_wait([self._wake_r], timeout=1.0):
+                        os.read(self._wake_r, 4096)
+            self._fail_left_over()
+            return
         while True:
             if self._abandon:
                 self._fail_left_over()
@@ -307,10 +387,8 @@ class UploaderPool:
             except OSError:
                 ready = []
             if self._wake_r in ready:
-                try:
+                with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
-                except OSError:
-                    pass
             for slot in list(self._slots):
                 if slot.conn in ready or slot.process.sentinel in ready:
                     self._service(slot)
