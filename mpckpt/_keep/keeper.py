@@ -43,29 +43,43 @@ log = logging.getLogger("mpckpt")
 _HASH_CHUNK = 16 << 20
 
 
+class SpanHasher:
+    """The xxh3-64 of one shard file (header, then its data fed in order), and of every
+    ``block_size`` bytes of it when ``block_size`` (a multi-rank save's block checksums)."""
+
+    def __init__(self, header: bytes, block_size: int) -> None:
+        self.whole = xxhash.xxh3_64()
+        self.block_size = block_size
+        self.blocks: list[str] = []
+        self.block, self.filled = xxhash.xxh3_64(), 0
+        self.update(memoryview(header))
+
+    def update(self, data: memoryview) -> None:
+        if not self.block_size:
+            for pos in range(0, len(data), _HASH_CHUNK):
+                self.whole.update(data[pos:pos + _HASH_CHUNK])
+            return
+        pos = 0
+        while pos < len(data):
+            take = min(self.block_size - self.filled, len(data) - pos)
+            piece = data[pos:pos + take]
+            self.whole.update(piece)
+            self.block.update(piece)
+            self.filled, pos = self.filled + take, pos + take
+            if self.filled == self.block_size:
+                self.blocks.append(self.block.hexdigest())
+                self.block, self.filled = xxhash.xxh3_64(), 0
+
+    def result(self) -> tuple[str, tuple[str, ...]]:
+        blocks = [*self.blocks, self.block.hexdigest()] if self.filled else self.blocks
+        return self.whole.hexdigest(), tuple(blocks)
+
+
 def hash_span(header: bytes, data: memoryview, block_size: int) -> tuple[str, tuple[str, ...]]:
     """xxh3-64 of ``header + data``, and of every ``block_size`` bytes of it when ``block_size``."""
-    whole = xxhash.xxh3_64(header)
-    if not block_size:
-        for pos in range(0, len(data), _HASH_CHUNK):
-            whole.update(data[pos:pos + _HASH_CHUNK])
-        return whole.hexdigest(), ()
-    blocks: list[str] = []
-    block, filled = xxhash.xxh3_64(), 0
-    for part in (memoryview(header), data):
-        pos = 0
-        while pos < len(part):
-            take = min(block_size - filled, len(part) - pos)
-            piece = part[pos:pos + take]
-            whole.update(piece)
-            block.update(piece)
-            filled, pos = filled + take, pos + take
-            if filled == block_size:
-                blocks.append(block.hexdigest())
-                block, filled = xxhash.xxh3_64(), 0
-    if filled:
-        blocks.append(block.hexdigest())
-    return whole.hexdigest(), tuple(blocks)
+    hasher = SpanHasher(header, block_size)
+    hasher.update(data)
+    return hasher.result()
 
 
 class Keeper:
@@ -154,20 +168,34 @@ class Keeper:
         self.others = []
 
     # -- keeping a new snapshot ------------------------------------------------------------------
-    def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
-             small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0) -> None:
-        """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s):
-        hash it, publish its record, keep it; the previously kept slab goes back to the pool."""
-        if not self.store.held:
-            return
+    @property
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Two threads that copy and hash (xxh3 and memmove release the GIL)."""
         if self._hashers is None:
             self._hashers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mpckpt-keep-hash")
-        view = memoryview(slab.segment.mmap)
-        try:
-            digests = list(self._hashers.map(
-                lambda s: hash_span(s.header, view[s.offset:s.offset + s.nbytes], block_size), shards))
-        finally:
-            view.release()
+        return self._hashers
+
+    def hashers(self, shards: list[Any], block_size: int) -> list[SpanHasher]:
+        """One hasher per shard file, for a copy that hashes as it goes (``copy_wave_fed``)."""
+        return [SpanHasher(s.header, block_size) for s in shards]
+
+    def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
+             small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
+             hashed: list[SpanHasher] | None = None) -> None:
+        """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s;
+        ``hashed``: their hashers, fed as the copy went, else they are hashed here): publish its
+        record, keep it; the previously kept slab goes back to the pool."""
+        if not self.store.held:
+            return
+        if hashed is not None:
+            digests = [h.result() for h in hashed]
+        else:
+            view = memoryview(slab.segment.mmap)
+            try:
+                digests = list(self.pool.map(
+                    lambda s: hash_span(s.header, view[s.offset:s.offset + s.nbytes], block_size), shards))
+            finally:
+                view.release()
         spans = {s.filename: Span(s.header, s.offset, s.nbytes, d, b) for s, (d, b) in zip(shards, digests, strict=True)}
         blocks = {rel: list(span.blocks) for rel, span in spans.items()} if block_size else {}
         record = KeptRecord(uid=os.geteuid(), root=self.url, rank=self.rank, world_size=self.world_size, step=step,

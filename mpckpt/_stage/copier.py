@@ -11,6 +11,8 @@ state, so the slab can be created and touched at open instead of inside the firs
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +52,49 @@ def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
         torch.cuda.current_stream().synchronize()
     else:
         _copy_pieces(wave.copy_plan, views, sources, only, cuda=False, non_blocking=False)
+
+
+_FEED_BYTES = 4 << 20  # copied, then fed on while still in the cache (``copy_wave_fed``)
+
+
+def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
+                  feed: Callable[[int, memoryview], None], pool: concurrent.futures.Executor) -> bool:
+    """Copy wave ``wave_index`` into ``slab`` shard by shard on ``pool``'s threads (``memmove``,
+    which releases the GIL; large pieces in chunks), handing the slab bytes to ``feed(shard index,
+    bytes)`` in file order each time about ``_FEED_BYTES`` have landed, while still in the cache
+    (a checksum then costs little more than the copy).
+
+    Only for CPU leaves whose memory is contiguous; False, nothing copied, for any other state:
+    copy it with ``copy_wave`` and read it after.
+    """
+    wave = layout.waves[wave_index]
+    sources = flat.sources
+    if flat.on_cuda or any(not sources[p.leaf].is_contiguous() for s in wave.shards for p in s.pieces):
+        return False
+    base = slab.tensor.data_ptr()
+    view = memoryview(slab.segment.mmap)
+
+    def one_shard(index: int) -> None:
+        pieces = wave.shards[index].pieces
+        fed = pieces[0].offset if pieces else 0  # INVARIANT: a shard's pieces tile its slab range in order
+        for p in pieces:
+            src = sources[p.leaf].data_ptr() + (p.chunk[0] * p.itemsize if p.chunk else 0)
+            for at in range(0, p.nbytes, _FEED_BYTES):
+                n = min(_FEED_BYTES, p.nbytes - at)
+                ctypes.memmove(base + p.offset + at, src + at, n)
+                end = p.offset + at + n
+                if end - fed >= _FEED_BYTES:
+                    feed(index, view[fed:end])
+                    fed = end
+        if pieces and fed < pieces[-1].offset + pieces[-1].nbytes:
+            feed(index, view[fed:pieces[-1].offset + pieces[-1].nbytes])
+
+    try:
+        for done in [pool.submit(one_shard, i) for i in range(len(wave.shards))]:
+            done.result()
+    finally:
+        view.release()
+    return True
 
 
 def _copy_pieces(plan: list[tuple[int, tuple[int, int] | None]], views: list[torch.Tensor], sources: list[torch.Tensor],

@@ -35,7 +35,7 @@ from mpckpt._dist.skeleton import rank_skeleton_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
-from mpckpt._stage.copier import copy_wave, estimate_state_bytes
+from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
@@ -138,9 +138,19 @@ class Snapshotter:
         self.keeper.warn_once("waves", text)
         return False
 
+    def _copy_hashed(self, flat: FlatState, layout: Layout, slab: Slab) -> list[Any] | None:
+        """Copy the one wave of a snapshot to keep, its shard files hashed as they land (a little more
+        than the copy): their hashers; None when the state cannot be copied so (copied, unhashed)."""
+        block_size = BLOCK_BYTES if self.planner is not None else 0
+        hashers = self.keeper.hashers(layout.waves[0].shards, block_size)
+        if copy_wave_fed(flat, layout, 0, slab, lambda i, view: hashers[i].update(view), self.keeper.pool):
+            return hashers
+        copy_wave(flat, layout, 0, slab)
+        return None
+
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
-              slab: Slab) -> None:
-        """``slab`` holds the complete snapshot: hash it and keep it (``Keeper.keep``)."""
+              slab: Slab, hashed: list[Any] | None = None) -> None:
+        """``slab`` holds the complete snapshot: hash it (unless ``hashed``) and keep it (``Keeper.keep``)."""
         if self.planner is not None:
             group = self.planner.group
             small_name = rank_skeleton_name(group.rank)
@@ -153,7 +163,8 @@ class Snapshotter:
             def small(blocks: dict[str, list[str]]) -> bytes:
                 return skeleton_bytes(flat, layout)
         self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
-                         small_name=small_name, small=small, block_size=BLOCK_BYTES if self.planner is not None else 0)
+                         small_name=small_name, small=small, block_size=BLOCK_BYTES if self.planner is not None else 0,
+                         hashed=hashed)
 
     def _save_in_memory(self, step: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
                         stats: SaveStats) -> SaveFuture:
@@ -167,8 +178,7 @@ class Snapshotter:
             stats.status = "skipped"
         else:
             try:
-                copy_wave(flat, layout, 0, slab)
-                self._keep(step, -1, metrics, flat, layout, plan, slab)
+                self._keep(step, -1, metrics, flat, layout, plan, slab, self._copy_hashed(flat, layout, slab))
             finally:
                 self.budget.release(slab)
             stats.status = "in_memory"
@@ -198,21 +208,22 @@ class Snapshotter:
 
     # -- copies ---------------------------------------------------------------------------------
     def _snapshot_eager(self, record: Pending, flat: FlatState, layout: Layout, first: Slab | None,
-                        reuse: Reuse, kept: Callable[[Slab], None] | None = None) -> None:
+                        reuse: Reuse, kept: Callable[..., None] | None = None) -> None:
         """Copy every wave now (``recording`` settles the record if this raises); ``kept``: keep the
         snapshot in memory (one wave, every leaf copied, frozen ones too)."""
         started = time.perf_counter()
         for index in range(len(layout.waves)):
             slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
             assert slab is not None
-            copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves and kept is None else None)
-            if kept is not None:
-                kept(slab)
+            if kept is not None:  # copied and hashed as it lands, then kept
+                kept(slab, self._copy_hashed(flat, layout, slab))
+            else:
+                copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves else None)
             self._submit_wave(record, layout, index, slab, reuse)
         self.ledger.all_submitted(record, snapshot_started=started)
 
     def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout,
-                             slab: Slab | None, reuse: Reuse, kept: Callable[[Slab], None] | None = None) -> None:
+                             slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None) -> None:
         assert slab is not None
         started = time.perf_counter()
         guarded = step_guarded_leaves(state, flat) - reuse.leaves

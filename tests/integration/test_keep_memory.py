@@ -271,3 +271,20 @@ def test_mpckpt_gc_lists_kept_snapshots_and_removes_those_no_trainer_keeps(tmp_p
         assert f"left the snapshot of step 0 of {tmp_path / 'live'} (rank 0) kept in memory" in out.stdout
         assert kept_files(str(root)) == []
         assert any(n.endswith(".record") for n in kept_files(str(tmp_path / "live")))
+
+
+@pytest.mark.parametrize("overlap,strided", [(False, False), (False, True), (True, False)])
+def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strided):
+    """The copy that hashes as it goes (eager, contiguous tensors) and the hash after the copy
+    (overlapped, or a strided tensor) give each file the xxh3 the uploaders compute from the same
+    slab: the manifest's."""
+    model, opt = make_model(width=300, depth=3)
+    train_step(model, opt, 0)
+    state = {"model": model, "optim": opt, "odd": torch.arange(7, dtype=torch.int16)}
+    if strided:
+        state["t"] = torch.randn(5, 3).t()
+    with mpckpt.Checkpointer(tmp_path / "r", memory_budget="64MiB", overlap=overlap) as ckpt:
+        ckpt.save(1, state, mode="sync")
+        record = ckpt._rt.keeper.kept[1]
+        manifest = ckpt._rt.ledger.committed()[1]
+        assert record.step == 1 and record.file_entries() == manifest.files
