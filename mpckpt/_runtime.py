@@ -15,6 +15,10 @@ makes the ranks agree), warming shared memory on the first save that is not, the
 with the garbage collector paused; and the rules of ``report`` for a folder. What is opened
 for a root, and when opening is refused, is ``_opening``'s.
 
+Nothing it starts stands between the open and a restored model: the uploaders start in the
+background (the first call that needs them waits, bounded, and raises why they could not:
+``_uploaders_ready``), and a restore's shared memory is made in a thread (``prepare``).
+
 In a multi-rank job (``group``) every rank holds all of that except the writer lock, which
 rank 0 takes in the collective open (``_dist.opening``); the committer commits through the
 job's store (``_dist.commit.StoreCoordinator``) and only rank 0 deletes.
@@ -158,9 +162,7 @@ class Runtime(ReadsCommitted):
                                      priority=config.uploader_priority, max_attempts=config.max_job_attempts,
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
-            # the workers start and prove they can write beside the recovery and the restore: the
-            # first call that needs them waits (``_uploaders_ready``); ``fork`` forks before other threads run
-            self.pool.start(wait=config.start_method == "fork")
+            self.pool.start(wait=config.start_method == "fork")  # in the background; fork: before threads run
             # staging folders are the commit side's: staging is handed only the calls that make and
             # remove them (in a job a dropped step's folder is the coordinator's to remove)
             budget = Budget(config, self.arena, self.ledger, self.pool, on_wait=self.errors.raise_unseen,
@@ -383,12 +385,8 @@ class Runtime(ReadsCommitted):
         return future
 
     def prepare(self, state: Any, *, background: bool = False) -> int:
-        """Make and touch shared memory for the first save of ``state``: now, or (``background``,
-        after a restore) in a thread, off the path to a usable model; the bytes of one slab.
-
-        A save that comes before the background is done takes what is made by then, waits for
-        the slab being made, and never makes more than the budget allows (``Arena.ensure_spare``).
-        """
+        """Make and touch shared memory for the first save of ``state``: now, or (``background``, after
+        a restore) in a thread, which a save that comes first waits for; the bytes of one slab."""
         need = self.saver.slab_bytes_for(state)  # here: in a job it may agree with the other ranks
         # two slabs: the first save's, and the spare the next save uses while it uploads
         assert self.arena is not None
@@ -412,8 +410,7 @@ class Runtime(ReadsCommitted):
         self.arena.ensure_spare(self.saver.slab_bytes_for(state))
 
     def _uploaders_ready(self, *, again: bool = True) -> None:
-        """Wait (bounded) for the uploaders started at open; raise why they could not start
-        (``again``: also when already raised; a wait or close raises it only if nobody saw it)."""
+        """Wait (bounded) for the uploaders' start; raise its failure (``UploaderPool.ready``)."""
         if self.pool is not None:
             self.pool.ready(again=again)
 

@@ -166,6 +166,9 @@ class Arena:
                 slab: Slab | None = self._make(size, touch=True)
             except (BudgetError, OSError, RuntimeError):
                 slab = None  # no room in /dev/shm right now: a later save will wait or stream instead
+            except BaseException as e:  # never leave _creating set: close() and waiting saves wait on it
+                log.error("mpckpt: making a spare shared-memory slab failed: %s: %s", type(e).__name__, e, exc_info=e)
+                slab = None
             with self._cond:
                 self._creating = 0
                 if slab is not None:

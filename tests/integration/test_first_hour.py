@@ -62,14 +62,23 @@ def test_credentials_set_after_the_first_checkpointer_reach_the_uploaders(tmp_pa
     assert_same(state, mpckpt.load(url, storage_options=options))
 
 
-def test_open_fails_when_the_uploaders_cannot_write(tmp_path):
+def test_the_first_save_fails_when_the_uploaders_cannot_write(tmp_path):
     options = {"writable_only_in_pid": os.getpid()}  # this process may write, its uploaders may not
     root = ctl_url(tmp_path / "ck")
-    with pytest.raises(ConfigError) as info:
-        mpckpt.Checkpointer(root, storage_options=options, workers=2)
+    state = {"w": torch.ones(3)}
+    # the uploaders start beside the open and the restore; the first save waits for them and says why not
+    with mpckpt.Checkpointer(root, storage_options=options, workers=2) as ckpt:
+        assert ckpt.restore(state) is None
+        with pytest.raises(ConfigError, match="uploader processes cannot write there") as info:
+            ckpt.save(1, state)
+        with pytest.raises(ConfigError, match="uploader processes cannot write there"):
+            ckpt.save(1, state)  # every save is refused; the close after them does not raise it again
     message = str(info.value)
-    assert str(tmp_path / "ck") in message
-    assert "uploader" in message and "permission denied" in message
+    assert str(tmp_path / "ck") in message and "permission denied" in message
+    assert not [name for name in os.listdir(tmp_path / "ck") if name.startswith("step_")]  # nothing written
+    unused = mpckpt.Checkpointer(root, storage_options=options, workers=1)
+    with pytest.raises(ConfigError, match="uploader processes cannot write there"):
+        unused.close()  # never saved: the close raises it, once
     with mpckpt.Checkpointer(tmp_path / "ck", workers=1) as ckpt:  # nothing was left locked
         assert ckpt.latest_step is None
 

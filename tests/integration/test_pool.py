@@ -1,7 +1,9 @@
 """The uploader pool with real worker processes (``forkserver``, as the Checkpointer starts them).
 
 Covered: ``start`` pings every worker (they prove they can write to the root, or start fails
-and leaves no process behind); write jobs from a real shared-memory segment produce files of
+and leaves no process behind); ``start(wait=False)`` returns at once, jobs queued meanwhile are
+written once the workers answer, and a failed start comes out of ``ready`` (once for a wait,
+every time for a caller that needs the workers) and fails the queued jobs; write jobs from a real shared-memory segment produce files of
 header + slab bytes and report their size and xxh3 checksum; jobs are spread over the
 workers; a worker SIGKILLed in the middle of a job is replaced and the job retried; a job
 that keeps killing its worker (its own SIGKILL, or its deadline) fails with an
@@ -152,6 +154,46 @@ def test_start_fails_when_the_uploaders_cannot_write_and_leaves_no_process(tmp_p
         pool.start()
     assert len(pids) == 2
     assert_gone(pids)
+
+
+def test_a_start_in_the_background_queues_jobs_until_the_workers_answer(tmp_path, segment):
+    results = Results()
+    pool = UploaderPool(spec_for_url(str(tmp_path / "root")), workers=2, start_method="forkserver")
+    try:
+        pool.start(wait=False)
+        pool.submit(write_job(segment, "early.bin", results))  # before any worker has answered its ping
+        results.wait_for("early.bin")
+        pool.ready()
+        assert len(pool.pids) == 2
+    finally:
+        pool.close(timeout_s=BOUND_S)
+    _, result, error = results.done["early.bin"]
+    assert error is None and result is not None
+    assert (tmp_path / "root" / "early.bin").read_bytes() == expected_bytes(segment, results.done["early.bin"][0])
+
+
+def test_a_failed_start_in_the_background_comes_out_of_ready_and_fails_the_queued_jobs(tmp_path, segment):
+    results = Results()
+    pool = UploaderPool(ctl_spec(tmp_path, writable_only_in_pid=os.getpid()), workers=2, start_method="forkserver")
+    try:
+        pool.start(wait=False)
+        pool.submit(write_job(segment, "queued.bin", results))
+        with pytest.raises(ConfigError, match="uploader processes cannot write there"):
+            pool.ready()
+        with pytest.raises(ConfigError, match="uploader processes cannot write there"):
+            pool.ready()  # a caller that needs the workers hears it every time
+        pool.ready(again=False)  # a wait or a close only if nobody has seen it
+        results.wait_for("queued.bin")
+        pool.submit(write_job(segment, "later.bin", results))
+        results.wait_for("later.bin")
+        assert pool.pids == []
+    finally:
+        pool.close(timeout_s=BOUND_S)
+    for relpath in ("queued.bin", "later.bin"):
+        _, result, error = results.done[relpath]
+        assert result is None and isinstance(error, UploadError) and error.shard == relpath
+        assert "did not start" in str(error) and isinstance(error.__cause__, ConfigError)
+    assert not pool._thread.is_alive()
 
 
 def test_write_jobs_write_header_and_slab_bytes_spread_over_the_workers(tmp_path, segment):

@@ -1,0 +1,115 @@
+"""What a restarted trainer's open and restore leave for later, off the path to a usable model.
+
+``restore`` returns before the shared memory for the next save exists: it is made in a
+background thread (two slabs, one at a time). A save that comes first takes what is made by
+then, waits for the slab being made rather than making one more, and the memory budget holds.
+``prepare`` called by the user still makes both slabs before it returns. (The uploaders
+starting in the background, and a root they cannot write to failing at the first save:
+``test_first_hour.py`` and ``test_pool.py``.)
+
+The slab makers are held at a gate (``Arena._make`` on the warming thread), so what the tests
+see does not depend on timing; every wait is bounded and no duration is asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import mpckpt
+from mpckpt import _testing
+from mpckpt._stage.arena import Arena
+from tests.conftest import assert_same
+
+BOUND_S = 60.0
+BUDGET = 64 << 20
+
+
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": seed}  # about 4 MiB
+
+
+@contextlib.contextmanager
+def _held_warming(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Inside, every slab made in the background waits until the event is set (at the latest on leaving)."""
+    opened = threading.Event()
+    make = Arena._make
+
+    def gated(self: Arena, size: int, *, touch: bool) -> Any:
+        if threading.current_thread().name == "mpckpt-spare-slab":
+            assert opened.wait(BOUND_S), "the test never opened the gate"
+        return make(self, size, touch=touch)
+
+    monkeypatch.setattr(Arena, "_make", gated)
+    try:
+        yield opened
+    finally:
+        opened.set()
+
+
+def _wait_until(condition: Any) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached within the bound"
+        time.sleep(0.01)
+
+
+def _saved(root: Any) -> dict[str, Any]:
+    state = _state(1)
+    with mpckpt.Checkpointer(root, workers=1) as ckpt:
+        ckpt.save(1, state, mode="sync")
+    return state
+
+
+def test_restore_returns_before_the_shared_memory_for_the_next_save_exists(tmp_path, monkeypatch):
+    saved = _saved(tmp_path)
+    live = _state(2)
+    with mpckpt.Checkpointer(tmp_path, workers=1, memory_budget=BUDGET) as ckpt, \
+            _held_warming(monkeypatch) as gate:
+        assert ckpt.restore(live) == 1
+        assert_same(saved, live)
+        assert _testing.slabs(ckpt) == []  # none exists yet: the first is being made, behind the gate
+        slab_bytes = ckpt._rt.saver.slab_bytes_for(live)
+        assert 0 < ckpt._rt.arena.allocated_bytes < 2 * slab_bytes  # the one being made counts, one only
+        gate.set()
+        _wait_until(lambda: len(_testing.slabs(ckpt)) == 2)  # then the first save's and the next one's
+        warmed = {slab.name for slab in _testing.slabs(ckpt)}
+        live["step"] = 2
+        ckpt.save(2, live).result(BOUND_S)
+        assert {slab.name for slab in _testing.slabs(ckpt)} == warmed  # the save took one, made none
+        assert ckpt.stats.peak_shm_bytes <= BUDGET
+    assert_same(live, mpckpt.load(tmp_path))
+
+
+def test_a_save_before_the_warming_is_done_waits_for_the_slab_being_made(tmp_path, monkeypatch):
+    _saved(tmp_path)
+    live = _state(2)
+    with mpckpt.Checkpointer(tmp_path, workers=1, memory_budget=BUDGET) as ckpt, \
+            _held_warming(monkeypatch) as gate:
+        ckpt.restore(live)
+        opener = threading.Timer(0.2, gate.set)  # lets the save below start first (either order is correct)
+        opener.start()
+        live["step"] = 2
+        ckpt.save(2, live).result(BOUND_S)
+        _wait_until(lambda: len(_testing.slabs(ckpt)) == 2 and ckpt._rt.arena.allocated_bytes == sum(
+            slab.capacity for slab in _testing.slabs(ckpt)))  # the warming is done
+        slabs = _testing.slabs(ckpt)
+        assert len(slabs) == 2  # the warming's two: the early save made no third
+        assert ckpt.stats.peak_shm_bytes <= sum(slab.capacity for slab in slabs) <= BUDGET
+        opener.join()
+    assert_same(live, mpckpt.load(tmp_path))
+
+
+def test_prepare_makes_both_slabs_before_it_returns(tmp_path):
+    saved = _saved(tmp_path)
+    with mpckpt.Checkpointer(tmp_path, workers=1, memory_budget=BUDGET) as ckpt:
+        need = ckpt.prepare(saved)
+        slabs = _testing.slabs(ckpt)
+        assert len(slabs) == 2 and all(slab.capacity >= need and not slab.in_use for slab in slabs)
