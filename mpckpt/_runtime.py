@@ -44,7 +44,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import Coordinator, SingleProcess
@@ -52,12 +52,7 @@ from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.deletion import Deletions
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._commit.sink import ErrorSink
-from mpckpt._commit.validation import Validator
-from mpckpt._commit.validation import prepare as prepare_validation
-from mpckpt._commit.validator_process import ValidatorSetup
-from mpckpt._dist.commit import StoreCoordinator
 from mpckpt._dist.group import RankGroup
-from mpckpt._dist.opening import open_ranked
 from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._keep.keeper import Keeper
@@ -79,6 +74,9 @@ from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
+
+if TYPE_CHECKING:  # validate= and a job's opening and commits are imported when used, not at every open
+    from mpckpt._commit.validation import Validator
 
 log = logging.getLogger("mpckpt")
 
@@ -135,7 +133,10 @@ class Runtime(ReadsCommitted):
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
         self.schedule = Schedule(config.trigger, opened=time.monotonic())
-        validate_fn = prepare_validation(config.validate, backend)  # refused before anything starts
+        validate_fn = None
+        if config.validate is not None:
+            from mpckpt._commit.validation import prepare as prepare_validation
+            validate_fn = prepare_validation(config.validate, backend)  # refused before anything starts
         self.validator: Validator | None = None
         self.pool: UploaderPool | None = None
         self.committer: Committer | None = None
@@ -147,6 +148,7 @@ class Runtime(ReadsCommitted):
             self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
             staging_name: Callable[[str], str] = backend.staging_name
         else:  # a collective: rank 0 locks and recovers, every rank learns the outcome
+            from mpckpt._dist.opening import open_ranked
             opened = open_ranked(group, backend, lambda: acquire_writer_lock(backend, owner, where))
             self.lock = opened.lock
             staging_name = functools.partial(backend.staging_name, run=opened.token)
@@ -178,10 +180,13 @@ class Runtime(ReadsCommitted):
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             if validate_fn is not None:
+                from mpckpt._commit.validation import Validator, ValidatorSetup
                 self.validator = Validator(
                     ValidatorSetup(spec, validate_fn, config.nice, os.getpid(), environ), ledger=self.ledger,
                     backend=backend, start_method=config.start_method, timeout_s=config.validate_timeout_s,
                     stats=self._stats.validations, after=self._validated)
+            if group is not None:
+                from mpckpt._dist.commit import StoreCoordinator
             coordinator: Coordinator = SingleProcess(backend) if group is None else StoreCoordinator(
                 backend, group.scoped(f"mpckpt/{opened.token}/"), rank=group.rank, world_size=group.world_size,
                 timeout_s=config.timeout_s)

@@ -39,6 +39,7 @@ from mpckpt.errors import BudgetError, WaitTimeoutError
 
 log = logging.getLogger("mpckpt")
 _ROUND = 2 << 20  # slabs are sized in 2 MiB steps so similar requests reuse one
+_TOUCH = 64 << 20  # a slab made ahead is touched in pieces this size, so close() need not wait for all
 
 
 class Slab:
@@ -126,8 +127,11 @@ class Arena:
             raise BudgetError(f"no room in /dev/shm for {size >> 20} MiB of the memory budget ({e.strerror}); "
                               "free space there (docker: --shm-size) or lower memory_budget / MPCKPT_MEMORY_BUDGET") from e
         slab = Slab(segment)
-        if touch:
-            slab.tensor.zero_()  # map every page now, not during a save
+        if touch:  # map every page now, not during a save
+            for start in range(0, size, _TOUCH):
+                if self.closed:  # a spare still being made at close(): it is dropped, stop mapping it
+                    break
+                slab.tensor[start:start + _TOUCH].zero_()
         if self.pin and torch.cuda.is_available():
             slab.pinned = _pin(slab.tensor)
         return slab
