@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -17,6 +18,18 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("MPCKPT_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("MPCKPT_PROGRESS", "0")
+
+
+@pytest.fixture(autouse=True)
+def _mpckpt_logger_as_found() -> object:
+    """A command run in-process routes the library's log to itself (``cli._common``): every test
+    starts with the ``mpckpt`` logger as it was, so caplog sees its records."""
+    logger = logging.getLogger("mpckpt")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])  # (clears the logging module's cache of levels)
+    logger.propagate = saved[2]
 
 
 @pytest.fixture(autouse=True)
