@@ -4,13 +4,18 @@ Every script in ``bench/`` measures against the same things, so they live here o
 
 - ``Workload``: a deterministic stack of ``nn.Linear`` layers with Adam, sized so that
   parameters + the two Adam moments come to ``gib`` GiB, and a fixed synthetic batch.
-  ``train_step`` is forward, backward, ``optimizer.step()``.
+  ``train_step`` is forward, backward, ``optimizer.step()``; ``fresh_workload`` is the same
+  model before its first step (a started or restarted trainer's, Adam without moments).
 - ``ShmFloor``: the physical floor of a snapshot, a bare ``copy_`` of every state tensor
   into shared memory that was allocated and touched (zero-filled) once, before timing.
 - ``run_child`` / ``MemorySampler``: a benchmark case runs in a fresh subprocess (so memory
   peaks and leftover threads of one case never leak into the next); the parent samples the
   child's process tree every ``sample_ms`` and collects the child's one JSON result line.
   Sampling from the parent keeps the sampler off the measured process's GIL.
+- ``TreeCpu``: the CPU of process trees a benchmark starts and kills itself (orphans included),
+  and other processes' share meanwhile.
+- ``kept_in_memory`` / ``remove_kept_in_memory``: the snapshots mpckpt keeps in /dev/shm
+  (``keep_in_memory``) for a benchmark's own roots, removed without touching anyone else's.
 - ``markdown_table`` / ``write_json`` / ``machine_info``: what every script prints and keeps.
 
 Memory is reported as the peak over samples of the summed PSS of the process tree (each
@@ -79,6 +84,14 @@ def build_workload(gib: float, *, hidden: int = 2048, batch: int = 16, seed: int
     The warm-up step creates Adam's moments, so the state has its final size before any
     timing starts (the same for every mode).
     """
+    work = fresh_workload(gib, hidden=hidden, batch=batch, seed=seed)
+    train_step(work)
+    return work
+
+
+def fresh_workload(gib: float, *, hidden: int = 2048, batch: int = 16, seed: int = 0) -> Workload:
+    """``build_workload``'s model before any step: Adam without moments yet, as a trainer has
+    just after it starts (or restarts, before its restore fills them in)."""
     torch.manual_seed(seed)
     layers = layers_for(gib, hidden)
     blocks: list[nn.Module] = []
@@ -93,9 +106,7 @@ def build_workload(gib: float, *, hidden: int = 2048, batch: int = 16, seed: int
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
     inputs = torch.randn(batch, hidden)
     targets = torch.randn(batch, hidden)
-    work = Workload(model, optimizer, inputs, targets, layers, hidden)
-    train_step(work)
-    return work
+    return Workload(model, optimizer, inputs, targets, layers, hidden)
 
 
 def train_step(work: Workload) -> float:
@@ -117,6 +128,23 @@ def state_tensors(work: Workload) -> list[torch.Tensor]:
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -- snapshots kept in memory (``keep_in_memory``) -------------------------------------------
+def kept_in_memory(root: str, rank: int = 0) -> bool:
+    """Whether a complete snapshot of local ``root`` (and ``rank``) is kept in this node's /dev/shm."""
+    from mpckpt._keep.store import SHM_DIR, base_name
+
+    return os.path.exists(os.path.join(SHM_DIR, base_name(os.path.abspath(root), rank) + ".record"))
+
+
+def remove_kept_in_memory(roots: Iterable[str], ranks: Iterable[int] = (0,)) -> list[str]:
+    """Remove the snapshots kept in memory for local ``roots`` that no live process keeps; return
+    their base names. Only these roots' (``mpckpt gc`` would also remove other people's)."""
+    from mpckpt._keep.store import base_name, list_kept, remove_kept
+
+    wanted = {base_name(os.path.abspath(root), rank) for root in roots for rank in ranks}
+    return [k.base for k in list_kept() if k.base in wanted and remove_kept(k.base)]
 
 
 # -- the physical floor ------------------------------------------------------------------------
@@ -294,6 +322,59 @@ def run_child(argv: list[str], *, sample_ms: float = 20, timeout_s: float = 1800
     result.update(sampler.as_dict())
     result["foreign_cpu_pct"] = round(100 * foreign / wall / (os.cpu_count() or 1), 1)
     return result
+
+
+class TreeCpu:
+    """CPU seconds of every process of the trees under the pids ``watch``ed, orphans (a killed
+    trainer's uploaders) included, sampled every ``interval_s``; and the machine's, to tell how
+    much CPU other processes used meanwhile (``foreign_pct``). For benchmarks that start, kill
+    and restart processes themselves, where ``run_child``'s accounting does not fit."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.roots: list[int] = []
+        self.procs: dict[int, psutil.Process] = {}
+        self.cpu_s: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.interval_s = interval_s
+
+    def watch(self, pid: int) -> None:
+        self.roots.append(pid)
+
+    def __enter__(self) -> TreeCpu:
+        self.busy0, self.wall0 = _busy_cpu_s(), time.monotonic()
+        self.self0 = _self_cpu_s()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        for pid in list(self.roots):
+            try:
+                for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                    self.procs.setdefault(p.pid, p)
+            except psutil.Error:
+                continue
+        for pid, p in list(self.procs.items()):
+            try:
+                t = p.cpu_times()
+                self.cpu_s[pid] = t.user + t.system
+            except psutil.Error:
+                continue  # ended: its last sample stands
+
+    def foreign_pct(self) -> float:
+        """Other processes' CPU while it ran, in % of all cores."""
+        wall = time.monotonic() - self.wall0
+        own = sum(self.cpu_s.values()) + _self_cpu_s() - self.self0
+        return round(max(0.0, 100 * ((_busy_cpu_s() - self.busy0) - own) / wall / (os.cpu_count() or 1)), 1)
 
 
 def _busy_cpu_s() -> float:
