@@ -285,6 +285,10 @@ def worker_main(conn: Any, setup: WorkerSetup) -> None:
                 result = worker.upload(msg[2])
             else:
                 raise ValueError(f"unknown job kind {kind!r}")
-            conn.send(("ok", job_id, result))
+            reply: tuple[str, Any, Any] = ("ok", job_id, result)
         except BaseException as e:
-            conn.send(("err", job_id, RemoteFailure.capture(e)))
+            reply = ("err", job_id, RemoteFailure.capture(e))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, EOFError, ConnectionResetError):
+            return  # the trainer is gone (killed): nobody is left to tell

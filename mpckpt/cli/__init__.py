@@ -17,11 +17,11 @@
     mpckpt stats ROOT [--plot FILE.png]
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
-    mpckpt gc [ROOT ...]        remove shared memory of dead trainers (snapshots they kept in
-                                memory included), and staging and manifest-less folders and
-                                shared files no checkpoint uses under each ROOT (takes the
-                                writer lock, so it refuses while a live trainer writes there);
-                                never removes a folder that has a manifest, damaged or not
+    mpckpt gc [ROOT ...]        remove shared memory of dead trainers (and the snapshots they
+                                kept in memory for each ROOT), and staging and manifest-less
+                                folders and shared files no checkpoint uses under each ROOT
+                                (takes the writer lock, so it refuses while a live trainer
+                                writes there); never removes a folder that has a manifest
     mpckpt rm ROOT STEP [STEP ...] [--damaged]
                                 delete checkpoints (the newest too; damaged ones only with
                                 --damaged), then the shared files no checkpoint uses any more;

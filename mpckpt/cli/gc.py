@@ -1,11 +1,12 @@
 """``mpckpt gc [ROOT ...]``: remove what dead trainers left behind.
 
 Shared memory of dead trainers first (segments without an owner file are left alone and
-named: only root in the host's PID namespace can tell whether they are in use), and the
-snapshots this user's trainers kept in memory (``keep_in_memory``) that no live process keeps
-any more: each is named with its root, rank, step and size as it goes (a restart of that run
-would have restored from it; with it gone, the restart reads storage). Those a live trainer
-keeps are listed and left alone. Then, under
+named: only root in the host's PID namespace can tell whether they are in use). Snapshots this
+user's trainers kept in memory (``keep_in_memory``) are listed with their root, rank, step and
+size; those of a ROOT given that no live process keeps any more are removed (a restart of that
+run would have restored from one; with it gone, the restart reads storage), and so are kept
+files whose record is missing or unreadable (an interrupted keep). Another root's kept snapshot
+is only listed: its crashed trainer may be about to restart. Then, under
 each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
 (a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
 that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
@@ -41,13 +42,7 @@ def run(args: argparse.Namespace) -> int:
         complain(f"left shared memory {name} alone: it has no owner file (an mpckpt before owner files made it), "
                  "and only root in the host's PID namespace can see whether a process still uses it; run "
                  "`mpckpt gc` there, or remove it by hand once no trainer of an older mpckpt runs")
-    for kept in _kept.list_kept():
-        what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
-                else f"the incomplete snapshot {kept.base}")
-        if kept.held:
-            say(f"left {what} kept in memory ({kept.nbytes >> 20} MiB): a live trainer keeps it")
-        elif _kept.remove_kept(kept.base):
-            say(f"removed {what} kept in memory ({kept.nbytes >> 20} MiB): no trainer keeps it any more")
+    _gc_kept(args.roots, args.storage_options)
     status = 0
     for root in args.roots:
         try:
@@ -56,6 +51,27 @@ def run(args: argparse.Namespace) -> int:
             complain(f"{root}: {e}")
             status = 1
     return status
+
+
+def _gc_kept(roots: list[str], options: str | None) -> None:
+    """List this user's kept snapshots; remove the unheld ones of ``roots`` and the incomplete ones."""
+    urls = set()
+    for root in roots:
+        try:
+            urls.add(str(backend_for(root, options).url))
+        except MpckptError:
+            continue  # said when the root itself is collected
+    for kept in _kept.list_kept():
+        what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
+                else f"the incomplete snapshot {kept.base}")
+        size = f"{kept.nbytes >> 20} MiB"
+        if kept.held:
+            say(f"left {what} kept in memory ({size}): a live trainer keeps it")
+        elif kept.root is not None and kept.root not in urls:
+            say(f"left {what} kept in memory ({size}): its trainer may restart from it; `mpckpt gc {kept.root}` "
+                "removes it")
+        elif _kept.remove_kept(kept.base):
+            say(f"removed {what} kept in memory ({size}): no trainer keeps it any more")
 
 
 def _gc_root(root: str, options: str | None) -> int:

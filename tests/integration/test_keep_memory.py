@@ -257,20 +257,24 @@ def test_environment_variable_sets_keep_in_memory(tmp_path):
         Config.resolve(environ={"MPCKPT_KEEP_IN_MEMORY": "maybe"})
 
 
-def test_mpckpt_gc_lists_kept_snapshots_and_removes_those_no_trainer_keeps(tmp_path):
-    root = tmp_path / "root"
+def test_mpckpt_gc_removes_the_kept_snapshots_of_the_roots_given_that_no_trainer_keeps(tmp_path):
+    root, other = tmp_path / "root", tmp_path / "other"
     _crash(root, 2)
+    _crash(other, 1)
     assert any(n.endswith(".record") for n in kept_files(str(root)))
     with mpckpt.Checkpointer(tmp_path / "live", memory_budget="64MiB") as live:
         model, opt = make_model()
         live.save(0, {"model": model, "optim": opt}, mode="memory")
-        out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc"], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(root)],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert out.returncode == 0, out.stderr
         assert f"removed the snapshot of step 1 of {root} (rank 0) kept in memory" in out.stdout, out.stdout
         assert f"left the snapshot of step 0 of {tmp_path / 'live'} (rank 0) kept in memory" in out.stdout
+        assert f"left the snapshot of step 0 of {other} (rank 0) kept in memory" in out.stdout
+        assert f"`mpckpt gc {other}` removes it" in out.stdout
         assert kept_files(str(root)) == []
         assert any(n.endswith(".record") for n in kept_files(str(tmp_path / "live")))
+        assert any(n.endswith(".record") for n in kept_files(str(other))), "another root's was removed"
 
 
 @pytest.mark.parametrize("overlap,strided", [(False, False), (False, True), (True, False)])
