@@ -20,6 +20,19 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPCKPT_PROGRESS", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kept_snapshots_of_this_session_removed(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """Trainers the tests kill leave their snapshots kept in /dev/shm (as they should): those of
+    this session's roots go at its end; anyone else's are never touched."""
+    yield
+    from mpckpt._keep import store
+
+    base = str(tmp_path_factory.getbasetemp())
+    for kept in store.list_kept():
+        if kept.root is not None and base in kept.root and not kept.held:
+            store.remove_kept(kept.base)
+
+
 @pytest.fixture(autouse=True)
 def _mpckpt_logger_as_found() -> object:
     """A command run in-process routes the library's log to itself (``cli._common``): every test

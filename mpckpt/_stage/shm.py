@@ -60,6 +60,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 try:
     import _posixshmem
@@ -270,31 +271,31 @@ class Segment:
     def create(cls, size: int) -> Segment:
         if size <= 0:
             raise ValueError(f"shared-memory segment size must be positive, got {size}")
-        by, name, fd = _open_new_segment()
-        try:
+        def allocate(fd: int) -> None:
             os.ftruncate(fd, size)
             # INVARIANT: every page is allocated now: with /dev/shm full this is ENOSPC here,
             # never a SIGBUS that kills the trainer at its first write into a hole
             os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            _shm_unlink(name)
-            _drop_owner(by)
-            raise
-        os.close(fd)
-        return cls(name, size, mm, owner=True, by=by)
+
+        return cls._mapped(*_open_new_segment(), size, allocate)
 
     @classmethod
     def adopt(cls, path: str, size: int) -> Segment:
         """A segment of this process for the file ``path`` (a snapshot a process that is gone kept
         in memory; this user's, mode 0600, ``size`` bytes or more): a new name, owned as a created one."""
-        by, name, fd = _open_new_segment(link_from=path)
-        try:
+        def check(fd: int) -> None:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600 \
                     or st.st_size < size:
                 raise OSError(errno.EPERM, f"{path} is not a regular file of this user, mode 600, of {size} bytes")
+
+        return cls._mapped(*_open_new_segment(link_from=path), size, check)
+
+    @classmethod
+    def _mapped(cls, by: _Owner, name: str, fd: int, size: int, prepare: Callable[[int], None]) -> Segment:
+        """``name`` (open as ``fd``) mapped read-write once ``prepare(fd)`` passed; else unlinked, uncounted."""
+        try:
+            prepare(fd)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _no_kept_left() -> Any:
-    """Whatever a test kept in memory goes with it (kept snapshots of other runs are left alone)."""
-    before = {k.base for k in store.list_kept()}
+def _no_kept_left(tmp_path: Path) -> Any:
+    """What a test kept in memory for its roots goes with it (anyone else's is never touched: other
+    test runs may keep snapshots on this machine at the same time)."""
     yield
     for kept in store.list_kept():
-        if kept.base not in before:
+        if kept.root is not None and kept.root.startswith(str(tmp_path)) and not kept.held:
             store.remove_kept(kept.base)
 
 
