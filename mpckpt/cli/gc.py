@@ -2,11 +2,11 @@
 
 Shared memory of dead trainers first (segments without an owner file are left alone and
 named: only root in the host's PID namespace can tell whether they are in use). Snapshots this
-user's trainers kept in memory (``keep_in_memory``) are listed with their root, rank, step and
-size; those of a ROOT given that no live process keeps any more are removed (a restart of that
-run would have restored from one; with it gone, the restart reads storage), and so are kept
-files whose record is missing or unreadable (an interrupted keep). Another root's kept snapshot
-is only listed: its crashed trainer may be about to restart. Then, under
+user's trainers kept in memory (``keep_in_memory``): those of a ROOT given that no live process
+keeps any more are removed, each named with its rank, step and size (a restart of that run would
+have restored from one; with it gone, the restart reads storage), and so are kept files whose
+record is missing or unreadable (an interrupted keep); without a ROOT every kept snapshot is
+listed and none removed (a crashed trainer may be about to restart from it). Then, under
 each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
 (a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
 that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
@@ -62,6 +62,8 @@ def _gc_kept(roots: list[str], options: str | None) -> None:
         except MpckptError:
             continue  # said when the root itself is collected
     for kept in _kept.list_kept():
+        if urls and kept.root is not None and kept.root not in urls:
+            continue  # another root's: gc ROOT speaks of ROOT's only
         what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
                 else f"the incomplete snapshot {kept.base}")
         size = f"{kept.nbytes >> 20} MiB"
