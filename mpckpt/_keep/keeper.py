@@ -34,7 +34,7 @@ import xxhash
 
 from mpckpt._keep.record import KeptRecord, Span
 from mpckpt._keep.source import MemorySource
-from mpckpt._keep.store import Found, KeptStore, read_kept
+from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
 from mpckpt._stage.arena import Arena, Slab
 from mpckpt._stage.shm import Segment
 from mpckpt.format.manifest import Manifest, _json_safe_metrics
@@ -147,7 +147,7 @@ class Keeper:
             self.store.discard()
             return
         try:
-            segment = Segment.adopt(os.path.join("/dev/shm", record.data), record.data_size)
+            segment = Segment.adopt(data_path(record.data), record.data_size)
         except OSError as e:
             log.warning("mpckpt: could not take over the snapshot kept in memory (%s); it is removed", e)
             self.store.discard()

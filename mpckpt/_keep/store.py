@@ -37,11 +37,11 @@ import stat
 from dataclasses import dataclass
 
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
+from mpckpt._stage.shm import SHM_DIR
 from mpckpt.errors import CorruptCheckpointError
 
 log = logging.getLogger("mpckpt")
 
-SHM_DIR = "/dev/shm"
 PREFIX = "mpckpt-kept-"
 _BASE_RE = re.compile(r"mpckpt-kept-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
 _DATA_RE = re.compile(r"(mpckpt-kept-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
@@ -53,6 +53,11 @@ def root_key(url: str) -> str:
 
 def base_name(url: str, rank: int, uid: int | None = None) -> str:
     return f"{PREFIX}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
+
+
+def data_path(name: str) -> str:
+    """Where a kept file ``name`` is (in /dev/shm, the segments' folder)."""
+    return _path(name)
 
 
 def _path(name: str) -> str:
