@@ -62,8 +62,8 @@ def _gc_kept(roots: list[str], options: str | None) -> None:
         except MpckptError:
             continue  # said when the root itself is collected
     for kept in _kept.list_kept():
-        if urls and kept.root is not None and kept.root not in urls:
-            continue  # another root's: gc ROOT speaks of ROOT's only
+        if roots and kept.root is not None and kept.root not in urls:
+            continue  # another root's (or ROOT could not be opened): gc ROOT speaks of ROOT's only
         what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
                 else f"the incomplete snapshot {kept.base}")
         size = f"{kept.nbytes >> 20} MiB"

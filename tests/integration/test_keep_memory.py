@@ -273,6 +273,10 @@ def test_mpckpt_gc_removes_the_kept_snapshots_of_the_roots_given_that_no_trainer
         assert f"left the snapshot of step 1 of {root} (rank 0) kept in memory" in listed.stdout
         assert f"`mpckpt gc {other}` removes it" in listed.stdout
         assert any(n.endswith(".record") for n in kept_files(str(root))), "gc without a ROOT removes none"
+        missing = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(tmp_path / "typo")],
+                                 capture_output=True, text=True, timeout=120, env=env)
+        assert missing.returncode == 1 and "does not exist" in missing.stderr, missing
+        assert missing.stdout == "", "a gc of a root that does not exist spoke of other roots' snapshots"
         out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(root)], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 0, out.stderr
