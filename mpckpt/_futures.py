@@ -37,6 +37,7 @@ class SaveStats:
     written_bytes: int = 0   # bytes actually sent to storage (referenced files excluded)
     durable_ms: float = 0.0  # from the save call until its commit (0 until committed)
     waiting: int = 0         # later saves taken and not yet durable when this one committed
+    peer_copies: int = 0     # copies of its snapshot in place in other nodes' memory (``peer_copies``)
     # when ``save`` was called (``time.perf_counter``): where ``durable_ms`` starts
     saved_at: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
@@ -49,7 +50,7 @@ class SaveStats:
             "step": self.step, "status": self.status, "bytes": self.bytes, "written_bytes": self.written_bytes,
             "blocked_ms": round(self.blocked_ms, 3), "snapshot_ms": round(self.snapshot_ms, 3),
             "persist_ms": round(self.persist_ms, 3), "barrier_ms": round(self.barrier_ms, 3), "mb_per_s": round(self.mb_per_s, 1),
-            "durable_ms": round(self.durable_ms, 3), "waiting": self.waiting,
+            "durable_ms": round(self.durable_ms, 3), "waiting": self.waiting, "peer_copies": self.peer_copies,
         }
 
 

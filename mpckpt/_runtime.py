@@ -56,7 +56,6 @@ from mpckpt._dist.group import RankGroup
 from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._keep.keeper import Keeper
-from mpckpt._keep.source import MemorySource
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._read.view import ReadsCommitted
 from mpckpt._stage import shm as _shm
@@ -143,6 +142,7 @@ class Runtime(ReadsCommitted):
         self.deleter: Deleter | None = None
         self.arena: Arena | None = None
         self.keeper: Keeper | None = None
+        self.tier: Any = None  # a job's recovery tier (``_peer.tier.JobTier``)
         self.leave_in_memory = False  # close(): leave the kept snapshot for the next process
         if group is None:
             self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
@@ -177,6 +177,10 @@ class Runtime(ReadsCommitted):
             self.saver.keeper = self.keeper
             if group is not None:
                 self.saver.planner = Planner(group)
+                if config.keep_in_memory:  # the job's memory and the copies on other nodes: a collective
+                    from mpckpt._peer.tier import JobTier
+                    self.tier = JobTier(self.keeper, self.arena, group, copies=config.peer_copies,
+                                        token=opened.token, timeout_s=2 * config.job_timeout_s)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
             self.deleter = Deleter(backend)
             if validate_fn is not None:
@@ -201,7 +205,9 @@ class Runtime(ReadsCommitted):
                 self.validator.resume(self.ledger.committed())
             preemption.install()
         except BaseException:
-            if self.keeper is not None:  # a failed open never removes what a previous process kept
+            if self.tier is not None:  # a failed open never removes what a previous process kept
+                self.tier.close(leave=True)
+            if self.keeper is not None:
                 self.keeper.close(leave=True)
             self._stop_background(timeout_s=5)
             self._let_go_of_lock()
@@ -212,14 +218,25 @@ class Runtime(ReadsCommitted):
         return self.ledger.committed()
 
     def in_memory(self) -> dict[int, Manifest]:
-        """The snapshot found in this node's memory at open, by step (``_keep``)."""
+        """The snapshots found in memory, by step (``_keep``; a job's, wherever held: ``_peer``, a collective)."""
+        if self.tier is not None:
+            return self.tier.in_memory()
         return self.keeper.in_memory() if self.keeper is not None else {}
 
-    def memory_source(self, manifest: Manifest) -> MemorySource | None:
+    def memory_source(self, manifest: Manifest) -> Any:
+        if self.tier is not None:
+            return self.tier.source_for(manifest)
         return self.keeper.source_for(manifest) if self.keeper is not None else None
+
+    def done_reading(self) -> None:
+        """A restore ended on every rank (or failed alike): other nodes' memory is no longer read."""
+        if self.tier is not None:
+            self.tier.done_reading()
 
     def restored(self, step: int | None) -> None:
         """A restore finished (``step``: what it restored): take over or drop what was found in memory."""
+        if self.tier is not None:
+            self.tier.settle(step)
         if self.keeper is None:
             return
         durable = set(self.ledger.committed())
@@ -430,6 +447,8 @@ class Runtime(ReadsCommitted):
             self.validator.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         if self.deleter is not None:
             self.deleter.drain(timeout_s=max(0.0, deadline - time.monotonic()))
+        if self.tier is not None:  # the copies on other nodes
+            self.tier.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Wait for every pending checkpoint and free everything; raise failures nobody saw."""
@@ -450,6 +469,8 @@ class Runtime(ReadsCommitted):
         self.preemption.uninstall()
         try:
             self.saver.close()
+            if self.tier is not None:
+                self.tier.close(leave=self.leave_in_memory)
             if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
                 self.keeper.close(leave=self.leave_in_memory)
             self._stop_background(timeout_s=self.wait_s)

@@ -72,13 +72,13 @@ class Checkpointer:
         environ: Mapping[str, str] | None = None, preemption: bool | Sequence[int | str] = False,
         validate: Callable[[Checkpoint], Mapping[str, float]] | None = None, validate_timeout_s: float | None = None,
         read_only: bool = False, process_group: Any = None, uploader_priority: str | None = None,
-        keep_in_memory: bool | None = None,
+        keep_in_memory: bool | None = None, peer_copies: int | None = None,
     ) -> None:
         self.config = Config.resolve(
             memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap, allow_pickle=allow_pickle,
             keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
             start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
-            uploader_priority=uploader_priority, keep_in_memory=keep_in_memory)
+            uploader_priority=uploader_priority, keep_in_memory=keep_in_memory, peer_copies=peer_copies)
         opened = open_root(self, root, self.config, storage_options=storage_options, preemption=preemption,
                            read_only=read_only, process_group=process_group, keep=keep, keep_last=keep_last,
                            trigger=trigger, validate=validate)

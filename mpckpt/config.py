@@ -101,6 +101,8 @@ DEFAULT_PROGRESS = True    # a progress bar while loading, when stderr is a term
 # the newest complete snapshot stays in shared memory until a newer one is: a crash costs a
 # restart from memory, not the steps since the last upload, for one more slab of the budget
 DEFAULT_KEEP_IN_MEMORY = True
+DEFAULT_PEER_COPIES = 0
+MAX_PEER_COPIES = 8
 
 
 def parse_bytes(value: Any, *, setting: str, available: int | None = None) -> int:
@@ -248,6 +250,7 @@ class Config:
     validate: Any = None  # fn(Checkpoint) -> {name: number}, run in the validator process after each commit
     validate_timeout_s: float = DEFAULT_VALIDATE_TIMEOUT_S
     keep_in_memory: bool = DEFAULT_KEEP_IN_MEMORY
+    peer_copies: int = DEFAULT_PEER_COPIES  # copies of each rank's kept snapshot in other nodes' memory
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -280,6 +283,7 @@ class Config:
         validate_timeout_s: Any = None,
         uploader_priority: Any = None,
         keep_in_memory: Any = None,
+        peer_copies: Any = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
@@ -320,6 +324,12 @@ class Config:
         validate_timeout = DEFAULT_VALIDATE_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
         raw, name = pick(keep_in_memory, "MPCKPT_KEEP_IN_MEMORY")
         keeping = DEFAULT_KEEP_IN_MEMORY if raw in (None, "") else _parse_bool(raw, setting=name)
+        raw, name = pick(peer_copies, "MPCKPT_PEER_COPIES")
+        copies = DEFAULT_PEER_COPIES if raw in (None, "") else _parse_int(raw, setting=name, low=0,
+                                                                          high=MAX_PEER_COPIES)
+        if copies and not keeping:
+            raise ConfigError(f"{name}={raw!r} copies the snapshot kept in memory to other nodes, but keep_in_memory "
+                              "is off; turn keep_in_memory on (MPCKPT_KEEP_IN_MEMORY=1) or set peer_copies to 0")
         if validate is not None and not callable(validate):
             raise ConfigError(f"validate={validate!r} is not callable; give a function fn(checkpoint) -> dict of "
                               "metric names to numbers")
@@ -344,6 +354,7 @@ class Config:
             direct_io=use_direct_io,
             uploader_priority=priority,
             keep_in_memory=keeping,
+            peer_copies=copies,
         )
 
 

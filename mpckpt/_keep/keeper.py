@@ -10,7 +10,8 @@ this node as soon as ``save()`` returns, before its upload, and a ``mode="memory
 never uploaded at all.
 
 At open, the snapshot a previous process of this root and rank kept is found (``found``) and
-offered to the restore as a ``memory`` source (``source_for``). After the restore
+offered to the restore as a ``memory`` source (``source_for``; in a job, ``_peer.inventory``
+offers every rank's, wherever they are held). After the restore
 (``settle``) its slab is taken over: it stays kept when that step is only in memory; when the
 step is on storage its record goes and the slab serves the next save (no fresh pages). A
 snapshot found and not restored is stale and removed.
@@ -90,7 +91,8 @@ class Keeper:
         self.rank, self.world_size = rank, world_size
         self.store = KeptStore(url, rank)
         self.found: Found | None = None
-        self.others: list[Found] = []  # the other ranks' snapshots of the found step (read only)
+        # the job's copies on other nodes (``_peer``): called with each record kept and its slab
+        self.replicate: Callable[[KeptRecord, Slab], concurrent.futures.Future[int]] | None = None
         self.kept: tuple[Slab, KeptRecord] | None = None
         self._lock = threading.Lock()
         self._hashers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -103,22 +105,9 @@ class Keeper:
 
     # -- the found snapshot: restoring from it ----------------------------------------------------
     def in_memory(self) -> dict[int, Manifest]:
-        """The step found in memory (every rank's part of it here, in a job), as its manifest."""
+        """The step found in memory, as its manifest (a single process's: a job asks ``_peer``)."""
         found = self.found
-        if found is None:
-            return {}
-        if self.world_size > 1 and not self.others:
-            for rank in range(self.world_size):
-                if rank == self.rank:
-                    continue
-                other = read_kept(self.url, rank, self.world_size)
-                if other is None or other.record.step != found.record.step or other.record.seq != found.record.seq:
-                    if other is not None:
-                        other.close()
-                    self._close_others()
-                    return {}
-                self.others.append(other)
-        return {found.record.step: found.record.manifest([o.record for o in self.others])}
+        return {} if found is None else {found.record.step: found.record.manifest()}
 
     def source_for(self, manifest: Manifest) -> MemorySource | None:
         """The memory source of checkpoint ``manifest`` when the snapshot found at open is it."""
@@ -132,13 +121,12 @@ class Keeper:
             return None  # another save of that step (storage's is not the one kept)
         if any(manifest.files.get(rel, entry).checksum != entry.checksum for rel, entry in mine.files.items()):
             return None
-        return MemorySource([found, *self.others], manifest)
+        return MemorySource([found], manifest)
 
     def settle(self, restored: int | None, durable: set[int]) -> None:
         """After a restore (``restored``: its step; ``durable``: the steps on storage): take over
         the found snapshot's slab, or remove it when it was not what was restored."""
         found, self.found = self.found, None
-        self._close_others()
         if found is None:
             return
         record = found.record
@@ -162,11 +150,6 @@ class Keeper:
         with self._lock:
             self.kept = (slab, record)
 
-    def _close_others(self) -> None:
-        for other in self.others:
-            other.close()
-        self.others = []
-
     # -- keeping a new snapshot ------------------------------------------------------------------
     @property
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -181,12 +164,13 @@ class Keeper:
 
     def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
              small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
-             hashed: list[SpanHasher] | None = None) -> None:
+             hashed: list[SpanHasher] | None = None) -> concurrent.futures.Future[int] | None:
         """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s;
         ``hashed``: their hashers, fed as the copy went, else they are hashed here): publish its
-        record, keep it; the previously kept slab goes back to the pool."""
+        record, keep it; the previously kept slab goes back to the pool. Returned: the future of
+        its copies on other nodes (their number) when the job makes them."""
         if not self.store.held:
-            return
+            return None
         if hashed is not None:
             digests = [h.result() for h in hashed]
         else:
@@ -213,9 +197,10 @@ class Keeper:
             self.arena.unkeep(slab)
             self.warn_once("publish", f"could not keep the snapshot of step {step} in memory ({e}); a crash now "
                            "restores from storage")
-            return
+            return None
         if old is not None and old[0] is not slab:
             self.arena.unkeep(old[0])
+        return self.replicate(record, slab) if self.replicate is not None else None
 
     def _reclaim(self, slab: Slab) -> None:
         """The arena needs the kept slab's memory for a save: the record goes first."""
@@ -241,7 +226,6 @@ class Keeper:
             if self.found is not None:
                 self.found.close()
                 self.found = None
-            self._close_others()
             self.kept = None
             self.store.release(leave=leave)
         if self._hashers is not None:

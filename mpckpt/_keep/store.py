@@ -7,7 +7,9 @@ A snapshot kept for root R and rank r by user U lives under one base name::
     mpckpt-kept-<U>-<key>-r<r>-<32 hex>  its data: a second name (hard link) of the slab holding it
 
 ``key`` is the first 16 hex digits of the SHA-256 of R's URL; the record names R in full and is
-checked against it. These names are outside the segment names the reaper judges
+checked against it. A copy of another node's rank r held here for it (``_peer``) has the same
+three names with ``mpckpt-peer-`` in front: held by the process that received it, published the
+same way, never mistaken for this node's own rank r. These names are outside the segment names the reaper judges
 (``_stage.shm``): a kept snapshot outlives its process (that is its purpose) and no process of
 another root ever removes, reads or trusts it. The slab keeps its own name, which the
 uploaders attach to; when its process dies, the reaper unlinks that name and the data stays
@@ -43,16 +45,17 @@ from mpckpt.errors import CorruptCheckpointError
 log = logging.getLogger("mpckpt")
 
 PREFIX = "mpckpt-kept-"
-_BASE_RE = re.compile(r"mpckpt-kept-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
-_DATA_RE = re.compile(r"(mpckpt-kept-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
+PEER_PREFIX = "mpckpt-peer-"  # copies of another node's snapshots, held here (``_peer``)
+_BASE_RE = re.compile(r"mpckpt-(kept|peer)-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
+_DATA_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
 
 
 def root_key(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
-def base_name(url: str, rank: int, uid: int | None = None) -> str:
-    return f"{PREFIX}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
+def base_name(url: str, rank: int, uid: int | None = None, prefix: str = PREFIX) -> str:
+    return f"{prefix}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
 
 
 def data_path(name: str) -> str:
@@ -97,10 +100,11 @@ class Found:
             pass  # a view of it is still alive; the mapping goes with it
 
 
-def read_kept(url: str, rank: int, world_size: int) -> Found | None:
-    """The complete snapshot kept for root ``url`` and ``rank`` on this node, checked; None when
-    there is none, or (with a warning saying why) when it cannot be used."""
-    base = base_name(url, rank)
+def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Found | None:
+    """The complete snapshot kept for root ``url`` and ``rank`` on this node (``PEER_PREFIX``: the
+    peer copy of that rank held here), checked; None when there is none, or (with a warning
+    saying why) when it cannot be used."""
+    base = base_name(url, rank, prefix=prefix)
     name = base + ".record"
     try:
         fd, st = _open_checked(name)
@@ -170,14 +174,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class KeptStore:
     """The kept snapshot of one root and rank on this node, for the process that holds it."""
 
-    def __init__(self, url: str, rank: int) -> None:
+    def __init__(self, url: str, rank: int, prefix: str = PREFIX) -> None:
         self.url, self.rank = url, rank
-        self.base = base_name(url, rank)
+        self.base = base_name(url, rank, prefix=prefix)
         self._lock_fd: int | None = None
 
-    def hold(self) -> bool:
-        """Take the lock of this root and rank; False (logged) when another live process holds it
-        or the lock file is not ours."""
+    def hold(self, *, quiet: bool = False) -> bool:
+        """Take the lock of this root and rank; False (logged unless ``quiet``) when another live
+        process holds it or the lock file is not ours."""
         name = self.base + ".lock"
         try:
             fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -192,6 +196,8 @@ class KeptStore:
         except OSError as e:
             os.close(fd)
             held = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            if quiet and held:
+                return False
             log.warning("mpckpt: cannot keep snapshots in memory for %s: %s", self.url,
                         "another live process keeps them" if held else f"{_path(name)}: {e.strerror}")
             return False
@@ -207,6 +213,11 @@ class KeptStore:
         """Make ``record`` (its data: the slab ``slab_name``) the kept snapshot; the older one goes."""
         assert self.held
         os.link(_path(slab_name), _path(record.data))
+        self.publish_record(record)
+
+    def publish_record(self, record: KeptRecord) -> None:
+        """Put ``record`` in place (its data file ``record.data`` is complete); older data goes."""
+        assert self.held
         try:
             tmp = f"{self.base}.record.tmp-{secrets.token_hex(8)}"
             fd = os.open(_path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -258,9 +269,21 @@ def _unlink(name: str) -> None:
 
 def _listdir() -> list[str]:
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith((PREFIX, PEER_PREFIX)))
     except OSError:
         return []
+
+
+def peer_ranks(url: str) -> list[int]:
+    """The ranks of root ``url`` with a copy held on this node for this user (``PEER_PREFIX``)."""
+    uid, key = str(os.geteuid()), root_key(url)
+    out = []
+    for name in _listdir():
+        m = _BASE_RE.fullmatch(name.removesuffix(".record"))
+        if name.endswith(".record") and m is not None and m.group(1) == "peer" and m.group(2) == uid \
+                and m.group(3) == key:
+            out.append(int(m.group(4)))
+    return sorted(out)
 
 
 @dataclass
@@ -273,6 +296,7 @@ class Listed:
     step: int | None
     nbytes: int        # of its files in /dev/shm
     held: bool         # a live process keeps it (its lock is held)
+    peer: bool = False  # a copy of another node's rank held here (``mpckpt-peer-``)
 
 
 def list_kept() -> list[Listed]:
@@ -281,7 +305,7 @@ def list_kept() -> list[Listed]:
     bases: dict[str, int] = {}
     for name in _listdir():
         m = _BASE_RE.match(name)
-        if m is None or m.group(1) != uid:
+        if m is None or m.group(2) != uid:
             continue
         try:
             st = os.lstat(_path(name))
@@ -301,7 +325,7 @@ def list_kept() -> list[Listed]:
             pass
         m = _BASE_RE.fullmatch(base)
         assert m is not None
-        out.append(Listed(base, root, int(m.group(3)), step, nbytes, _lock_held(base)))
+        out.append(Listed(base, root, int(m.group(4)), step, nbytes, _lock_held(base), m.group(1) == "peer"))
     return out
 
 
@@ -324,7 +348,7 @@ def _lock_held(base: str) -> bool:
 def remove_kept(base: str) -> bool:
     """Remove the kept snapshot ``base`` of this user unless a live process holds it."""
     m = _BASE_RE.fullmatch(base)
-    if m is None or m.group(1) != str(os.geteuid()):
+    if m is None or m.group(2) != str(os.geteuid()):
         return False
     lock = base + ".lock"
     try:

@@ -296,6 +296,9 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
         found = read_newest(view, read_and_apply, step=step, fallback=fallback)
     except MpckptError as e:
         _undefined(e, changed)
+        done = getattr(view, "done_reading", None)  # every rank failed alike: stop serving other nodes
+        if done is not None:
+            done()
         raise  # what was found in memory stays there (``Keeper.close``)
     settle = getattr(view, "restored", None)  # a writer takes over (or drops) what it found in memory
     if settle is not None:

@@ -70,6 +70,7 @@ class Arena:
         self.pin = pin
         self._slabs: list[Slab] = []
         self._creating = 0  # bytes of a spare slab being made in the background
+        self._external = 0  # bytes held outside the slabs: copies of other nodes' snapshots (``_peer``)
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.closed = False
@@ -79,7 +80,21 @@ class Arena:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.capacity for s in self._slabs) + self._creating
+        return sum(s.capacity for s in self._slabs) + self._creating + self._external
+
+    def hold_external(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of memory held outside the slabs (a peer copy) if the budget has room now."""
+        with self._cond:
+            if self.closed or self.allocated_bytes + nbytes > self.budget_bytes:
+                return False
+            self._external += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            return True
+
+    def release_external(self, nbytes: int) -> None:
+        with self._cond:
+            self._external = max(0, self._external - nbytes)
+            self._cond.notify_all()
 
     def _fits(self, nbytes: int) -> Slab | None:
         free = [s for s in self._slabs if not s.in_use and not s.kept and s.capacity >= nbytes]

@@ -149,8 +149,9 @@ class Snapshotter:
         return None
 
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
-              slab: Slab, hashed: list[Any] | None = None) -> None:
-        """``slab`` holds the complete snapshot: hash it (unless ``hashed``) and keep it (``Keeper.keep``)."""
+              slab: Slab, hashed: list[Any] | None = None) -> Any:
+        """``slab`` holds the complete snapshot: hash it (unless ``hashed``) and keep it (``Keeper.keep``);
+        the future of its copies on other nodes, if the job makes them."""
         if self.planner is not None:
             group = self.planner.group
             small_name = rank_skeleton_name(group.rank)
@@ -162,29 +163,37 @@ class Snapshotter:
 
             def small(blocks: dict[str, list[str]]) -> bytes:
                 return skeleton_bytes(flat, layout)
-        self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
+        return self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
                          small_name=small_name, small=small, block_size=BLOCK_BYTES if self.planner is not None else 0,
                          hashed=hashed)
 
     def _save_in_memory(self, step: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
                         stats: SaveStats) -> SaveFuture:
-        """A ``mode="memory"`` save: copied and kept, never uploaded; resolved when kept."""
+        """A ``mode="memory"`` save: copied and kept, never uploaded; resolved when kept, and when
+        the job copies snapshots to other nodes (``peer_copies``), once those copies are in place."""
         started = time.perf_counter()
         self.ledger.take_step(step)
         slab = self.budget.take_first(layout)
         future = SaveFuture(stats)
+        copies = None
         if slab is None:
             warnings.warn(f"mpckpt: memory budget full, snapshot of step {step} skipped (policy 'skip')", stacklevel=3)
             stats.status = "skipped"
         else:
             try:
-                self._keep(step, -1, metrics, flat, layout, plan, slab, self._copy_hashed(flat, layout, slab))
+                copies = self._keep(step, -1, metrics, flat, layout, plan, slab, self._copy_hashed(flat, layout, slab))
             finally:
                 self.budget.release(slab)
             stats.status = "in_memory"
             stats.snapshot_ms = (time.perf_counter() - started) * 1e3
         self.stats.saves.append(stats)
-        future._resolve(None)
+        if copies is None:
+            future._resolve(None)
+        else:
+            def copied(done: Any) -> None:
+                stats.peer_copies = done.result()
+                future._resolve(None)
+            copies.add_done_callback(copied)
         return future
 
     def slab_bytes_for(self, state: Any) -> int:

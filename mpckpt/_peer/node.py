@@ -1,0 +1,88 @@
+"""Which node a rank runs on, and which other nodes hold copies of its snapshot.
+
+A node is the memory that dies with it: what a copy must not share with the snapshot it
+protects. Its identity (``node_id``) is ``MPCKPT_NODE_ID`` when set (a launcher that knows
+better, or a test), else the host name, the kernel's boot id (a rebooted or re-imaged machine
+is a new node, whatever its name) and the device of /dev/shm (two containers or namespaces of
+one host, each with its own /dev/shm tmpfs, are two nodes; two ranks that share a /dev/shm
+are one). The launcher's node rank (``GROUP_RANK`` of torchrun) is not used: it names a slot
+of the job, and a replacement machine takes over the slot of the one that was lost.
+
+Placement (``Placement``): the nodes in the order of their lowest global rank, and on each
+node its ranks in rank order (the local index). Copy ``k`` (1..R) of rank r (node n, local
+index i) goes to the rank of local index i on node n+k, around the ring (index i modulo the
+ranks of that node, when nodes run different numbers of ranks). Every node thus sends and
+receives R copies per rank it runs: traffic per node does not grow with the job, and the
+same local rank is the partner (with one GPU per local rank, matching devices and memory).
+The ring rather than pairs (n XOR 1) works for any number of nodes, odd included, and gives
+R copies on R distinct other nodes. A rank never holds a copy of a rank on its own node; with
+fewer than R+1 nodes a rank gets as many copies as there are other nodes (a warning says so).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mpckpt._stage.shm import SHM_DIR
+
+NODE_ID_VARIABLE = "MPCKPT_NODE_ID"
+
+
+def node_id(environ: Mapping[str, str] | None = None) -> str:
+    """This process's node (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    given = env.get(NODE_ID_VARIABLE, "").strip()
+    if given:
+        return given
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        shm = os.stat(SHM_DIR).st_dev
+    except OSError:
+        shm = 0
+    return f"{socket.gethostname()}/{boot}/{shm}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Who holds copies of whose snapshot, from every rank's node (``nodes[rank]``)."""
+
+    nodes: tuple[str, ...]
+    copies: int
+
+    @property
+    def order(self) -> list[str]:
+        """The distinct nodes, in the order of their lowest rank."""
+        return list(dict.fromkeys(self.nodes))
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    @property
+    def effective_copies(self) -> int:
+        return min(self.copies, len(self.order) - 1)
+
+    def targets(self, rank: int) -> list[int]:
+        """The ranks that hold copies of ``rank``'s snapshot, copy 1 first."""
+        order = self.order
+        n = order.index(self.nodes[rank])
+        index = self.ranks_on(self.nodes[rank]).index(rank)
+        out = []
+        for k in range(1, self.effective_copies + 1):
+            there = self.ranks_on(order[(n + k) % len(order)])
+            out.append(there[index % len(there)])
+        return out
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks whose snapshots ``rank`` holds copies of."""
+        return [r for r in range(len(self.nodes)) if rank in self.targets(r)]
+
+
+def placement(nodes: Sequence[str], copies: int) -> Placement:
+    return Placement(tuple(nodes), copies)

@@ -1,0 +1,102 @@
+"""The recovery tier of one rank of a job, wired together: its memory, the job's, and the copies.
+
+What the runtime of a multi-rank writer holds when snapshots are kept in memory: the job's
+memory at a restore (``inventory.JobMemory``), and with ``peer_copies`` the replication of
+each kept snapshot to other nodes (``replicate.Replicator``) over mpckpt's own link
+(``link``), placed by ``node.Placement``. Opening it is one collective on the training thread
+(every rank's node and ``peer_copies``: a rank that asks for another number of copies than
+rank 0 is a ``ConfigError`` on every rank, never a hang).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mpckpt._dist.group import RankGroup
+from mpckpt._keep.keeper import Keeper
+from mpckpt._keep.store import KeptStore
+from mpckpt._peer.inventory import JobMemory
+from mpckpt._peer.link import Link
+from mpckpt._peer.node import NODE_ID_VARIABLE, Placement, node_id
+from mpckpt._peer.replicate import Replicator
+from mpckpt._stage.arena import Arena
+from mpckpt.errors import ConfigError
+from mpckpt.format.manifest import Manifest
+
+log = logging.getLogger("mpckpt")
+
+
+class JobTier:
+    """See the module docstring. ``token``: what every rank of this open shares."""
+
+    def __init__(self, keeper: Keeper, arena: Arena, group: RankGroup, *, copies: int, token: str,
+                 timeout_s: float) -> None:
+        self.keeper, self.arena = keeper, arena
+        self.node = node_id()
+        every = group.all_gather((self.node, copies))
+        if any(c != every[0][1] for _, c in every):
+            raise ConfigError(f"peer_copies differs between ranks ({sorted({c for _, c in every})}); give every rank "
+                              "the same (MPCKPT_PEER_COPIES)")
+        self._make_link = lambda: Link(group, token, timeout_s=timeout_s)
+        link: Any = self._make_link() if copies else self._make_link
+        self.memory = JobMemory(keeper, group, self.node, link=link)
+        self.held: dict[int, KeptStore] = {}
+        self.sizes: dict[int, int] = {}
+        for rank, (store, found) in list(self.memory.copies.items()):  # counted in this rank's budget
+            if arena.hold_external(found.record.data_size):
+                self.held[rank], self.sizes[rank] = store, found.record.data_size
+            else:
+                log.warning("mpckpt: the copy of rank %d's snapshot found in memory does not fit this rank's memory "
+                            "budget; it is removed", rank)
+                self.memory.drop(rank)
+        self.replicator: Replicator | None = None
+        placement = Placement(tuple(n for n, _ in every), copies)
+        if copies:
+            if placement.effective_copies < copies:
+                log.warning("mpckpt: peer_copies=%d, but the job runs on %d node(s): each snapshot gets %d copies (%s "
+                            "tells nodes apart)", copies, len(placement.order), placement.effective_copies,
+                            f"{NODE_ID_VARIABLE}, else host name, boot id and /dev/shm")
+            self.replicator = Replicator(self.memory.link, url=keeper.url, arena=arena,
+                                         targets=placement.targets(group.rank), sources=placement.sources(group.rank),
+                                         held=self.held, warn=keeper.warn_once)
+            self.replicator.held_bytes.update(self.sizes)
+            keeper.replicate = self.replicator.offer
+
+    # -- restoring -------------------------------------------------------------------------------
+    def in_memory(self) -> dict[int, Manifest]:
+        return self.memory.steps()
+
+    def source_for(self, manifest: Manifest) -> Any:
+        return self.memory.source_for(manifest)
+
+    def done_reading(self) -> None:
+        self.memory.finish()
+
+    def settle(self, restored: int | None) -> None:
+        """After a restore: copies of another step than ``restored`` go (see ``inventory``)."""
+        kept = self.memory.settle(restored)
+        for rank in list(self.held):
+            if rank not in kept:
+                self.held.pop(rank)
+                self.arena.release_external(self.sizes.pop(rank, 0))
+                if self.replicator is not None:
+                    self.replicator.held_bytes.pop(rank, None)
+
+    # -- saving, closing -------------------------------------------------------------------------
+    def wait(self, timeout_s: float) -> None:
+        if self.replicator is not None and not self.replicator.wait(timeout_s):
+            log.warning("mpckpt: copies to other nodes still in flight after %.0f s", timeout_s)
+
+    def close(self, *, leave: bool) -> None:
+        self.keeper.replicate = None
+        self.memory.close(leave=leave)
+        if self.replicator is not None:
+            self.replicator.close(leave=leave)
+        else:
+            for rank, store in self.held.items():
+                if not leave:
+                    store.discard()
+                store.release(leave=leave)
+                self.arena.release_external(self.sizes.get(rank, 0))
+        self.held.clear()
