@@ -64,10 +64,11 @@ from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
+from mpckpt._writer_lock import acquire_writer_lock, release_writer_lock
 from mpckpt.catalog import Recovered, read_manifest, recover
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import Config, UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, LockedError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
@@ -78,34 +79,6 @@ if TYPE_CHECKING:  # validate= and a job's opening and commits are imported when
     from mpckpt._commit.validation import Validator
 
 log = logging.getLogger("mpckpt")
-
-_held: dict[str, str] = {}  # root URL -> where in the program its Checkpointer was opened
-_held_lock = threading.Lock()
-
-
-def acquire_writer_lock(backend: Backend, owner: str, where: str) -> WriterLock:
-    """The root's writer lock; a clear error when this very process already holds it."""
-    for attempt in (1, 2):
-        try:
-            lock = backend.acquire_writer_lock(owner)
-        except LockedError as e:
-            with _held_lock:
-                opened_at = _held.get(backend.url)
-            if opened_at is None:
-                raise
-            if attempt == 1:
-                gc.collect()  # an unreachable, unclosed Checkpointer lets go in its finalizer
-                continue
-            raise LockedError(
-                f"{backend.url} is held by another Checkpointer of this process, opened at {opened_at} and "
-                "not closed yet; call close() on it first, or open Checkpointers with "
-                "`with mpckpt.Checkpointer(...) as ckpt:`, which closes them at the end of the block"
-            ) from e
-        with _held_lock:
-            _held[backend.url] = where
-        return lock
-    raise AssertionError("unreachable")
-
 
 class Runtime(ReadsCommitted):
     """Everything one open Checkpointer holds, wired together: the pipeline of a checkpoint.
@@ -494,9 +467,7 @@ class Runtime(ReadsCommitted):
     def _let_go_of_lock(self) -> None:
         if self.lock is None:  # a rank other than 0 of a multi-rank job: rank 0 holds it
             return
-        with _held_lock:
-            _held.pop(self.backend.url, None)
-        self.lock.release()
+        release_writer_lock(self.backend, self.lock)
 
     def release_unclosed(self) -> None:
         """The finalizer of a Checkpointer nobody closed (also run at exit): close, never raise."""

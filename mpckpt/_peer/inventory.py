@@ -194,7 +194,7 @@ class JobMemory:
     def _table(self, step: int) -> list[tuple[int, str]]:
         """Every file of ``step`` by number, alike on every rank: (whose, relpath)."""
         assert self.plan is not None
-        table = []
+        table: list[tuple[int, str]] = []
         for q in range(self.world_size):
             _, held = self.plan.holder(q, step, 0)
             table.extend((q, rel) for rel, _, _ in held.files)

@@ -41,8 +41,8 @@ class Link:
 
         self.rank, self.world_size = group.rank, group.world_size
         self.timeout_s = timeout_s
-        self._store = dist.PrefixStore(f"mpckpt-link/{token}/{next(_opened)}/", group.store)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), group.rank, group.world_size,
+        self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/{next(_opened)}/", group.store)
+        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), group.rank, group.world_size,
                                         datetime.timedelta(seconds=timeout_s))
 
     def store(self) -> Any:

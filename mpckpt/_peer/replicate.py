@@ -119,6 +119,7 @@ class Replicator:
                 if self._stopping and self._pending is None:
                     return
                 item, self._pending = self._pending, None
+                assert item is not None
                 self._sending = item
             copies = 0
             for dst in self.targets:

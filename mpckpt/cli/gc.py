@@ -2,7 +2,8 @@
 
 Shared memory of dead trainers first (segments without an owner file are left alone and
 named: only root in the host's PID namespace can tell whether they are in use). Snapshots this
-user's trainers kept in memory (``keep_in_memory``): those of a ROOT given that no live process
+user's trainers kept in memory (``keep_in_memory``), and the copies this node holds of other
+nodes' snapshots (``peer_copies``): those of a ROOT given that no live process
 keeps any more are removed, each named with its rank, step and size (a restart of that run would
 have restored from one; with it gone, the restart reads storage), and so are kept files whose
 record is missing or unreadable (an interrupted keep); without a ROOT every kept snapshot is
@@ -64,7 +65,8 @@ def _gc_kept(roots: list[str], options: str | None) -> None:
     for kept in _kept.list_kept():
         if roots and kept.root is not None and kept.root not in urls:
             continue  # another root's (or ROOT could not be opened): gc ROOT speaks of ROOT's only
-        what = (f"the snapshot of step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
+        whose = "the copy held for another node of" if kept.peer else "the snapshot of"
+        what = (f"{whose} step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
                 else f"the incomplete snapshot {kept.base}")
         size = f"{kept.nbytes >> 20} MiB"
         if kept.held:

@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
     ("mpckpt._keep",),
-    ("mpckpt._runtime", "mpckpt._opening"),
+    ("mpckpt._peer",),
+    ("mpckpt._runtime", "mpckpt._opening", "mpckpt._writer_lock"),
     ("mpckpt.checkpointer", "mpckpt"),
     ("mpckpt.integrations", "mpckpt.cli"),
 ]
@@ -73,6 +74,11 @@ RULES: list[Rule] = [
     Rule("mpckpt._stage", ("mpckpt._keep",), "a save hands its slab to whatever keeper the runtime wired in"),
     Rule("mpckpt._keep", ("mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer", "mpckpt._upload",
                           "mpckpt._commit"), "the recovery tier keeps slabs and reads them; the runtime wires it in"),
+    Rule("mpckpt._keep", ("mpckpt._peer",), "a node's own memory knows the copies on other nodes only as the hook "
+         "the runtime wired in"),
+    Rule("mpckpt._peer", ("mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer", "mpckpt._upload",
+                          "mpckpt._commit", "mpckpt._read"), "the copies on other nodes build on the node's own memory; "
+         "the runtime wires them in"),
 ]
 
 
