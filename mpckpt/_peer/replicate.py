@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 from mpckpt._keep.keeper import hash_span
@@ -43,6 +44,8 @@ from mpckpt._stage.arena import Arena, Slab
 log = logging.getLogger("mpckpt")
 _TAG = 7          # replication data, per (sender, receiver) pair: one transfer at a time
 _IDLE = datetime.timedelta(hours=24)  # a receiver's wait for the next offer (close wakes it sooner)
+_ANSWER_S = 30.0  # a live receiver answers an offer at once: longer means it is gone
+_BYE = json.dumps({"bye": True})
 
 
 @dataclasses.dataclass
@@ -137,11 +140,13 @@ class Replicator:
         record, n = item.record, self._sent[dst]
         self._sent[dst] = n + 1
         body = record.to_bytes()
-        store.set(_key(self.rank, dst, n, "offer"), json.dumps(
-            {"step": record.step, "seq": record.seq, "record": len(body), "data": item.extent}))
-        answer = _wait_get(store, _key(self.rank, dst, n, "answer"), self.link.timeout_s)
+        offer = json.dumps({"step": record.step, "seq": record.seq, "record": len(body), "data": item.extent})
+        if bytes(store.compare_set(_key(self.rank, dst, n, "offer"), "", offer)).decode() != offer:
+            return 0  # the receiver is closing (its goodbye is there first)
+        answer = _answer(store, _key(self.rank, dst, n, "answer"), dst, min(_ANSWER_S, self.link.timeout_s))
         if answer != "accept":
-            self.warn(f"refused-{dst}", f"rank {dst} holds no copy of step {record.step}: {answer}")
+            if answer != "refused: closing":
+                self.warn(f"refused-{dst}", f"rank {dst} holds no copy of step {record.step}: {answer}")
             return 0
         self.link.send_bytes(as_bytes(bytearray(body)), dst, _TAG)
         aborted = False
@@ -151,7 +156,7 @@ class Replicator:
             if aborted:
                 break
             self.link.send(item.slab.tensor[start:min(start + CHUNK_BYTES, item.extent)], dst, _TAG)
-        verdict = _wait_get(store, _key(self.rank, dst, n, "done"), self.link.timeout_s)
+        verdict = _answer(store, _key(self.rank, dst, n, "done"), None, self.link.timeout_s)
         for what in ("offer", "answer", "done"):
             store.delete_key(_key(self.rank, dst, n, what))
         if verdict == "ok":
@@ -159,9 +164,9 @@ class Replicator:
         if not aborted and not self._superseded(item):
             self.warn(f"bad-{dst}", f"rank {dst} refused the copy of step {record.step}: {verdict}")
         else:
-            self.warn("superseded", f"the copy of step {record.step} was overtaken by a newer snapshot before it "
-                      "reached the other node: snapshots come faster than they can be copied; wait for a save's "
-                      "future before the next memory save, or save less often")
+            self.warn("superseded", f"the copy of step {record.step} to another node was overtaken by a newer "
+                      "snapshot before it got there (the newest is copied next): snapshots are kept faster than they "
+                      "can be copied. Save less often, or wait for a save's future before the next save")
         return 0
 
     # -- receiving -------------------------------------------------------------------------------
@@ -177,7 +182,10 @@ class Replicator:
                     return
                 log.debug("mpckpt: waiting for a copy from rank %d: %s", src, e)
                 continue
-            if self._stopping or offer.get("bye"):
+            if offer.get("bye"):
+                return
+            if self._stopping:
+                store.set(_key(src, self.rank, n, "answer"), "refused: closing")
                 return
             self._received[src] = n + 1
             verdict = "failed"
@@ -271,12 +279,13 @@ class Replicator:
             self._cond.notify_all()
         try:
             store = self.link.store()
-            for src in self.sources:  # wake our receivers: an offer that says goodbye
-                store.set(_key(src, self.rank, self._received[src], "offer"), json.dumps({"bye": True}))
+            store.set(f"closed/{self.rank}", "1")  # senders waiting for an answer stop waiting
+            for src in self.sources:  # wake our receivers: an offer that says goodbye (unless one came first)
+                store.compare_set(_key(src, self.rank, self._received[src], "offer"), "", _BYE)
         except Exception as e:
             log.debug("mpckpt: could not wake the receivers: %s", e)
-        for thread in self._threads:
-            thread.join(timeout=10.0)
+        for thread in self._threads:  # a copy being received is finished (bounded by the link's timeout)
+            thread.join(timeout=self.link.timeout_s)
         for src, store in self.held.items():
             if not leave:
                 store.discard()
@@ -284,9 +293,18 @@ class Replicator:
             self.arena.release_external(self.held_bytes.pop(src, 0))
 
 
-def _wait_get(store: Any, key: str, timeout_s: float) -> str:
-    store.wait([key], datetime.timedelta(seconds=timeout_s))
-    return bytes(store.get(key)).decode(errors="replace")
+def _answer(store: Any, key: str, dst: int | None, timeout_s: float) -> str:
+    """The receiver's answer at ``key``; "refused: closing" once rank ``dst`` (if given) closed its
+    receivers (a copy it accepted is finished before it closes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([key]):
+            return bytes(store.get(key)).decode(errors="replace")
+        if dst is not None and store.check([f"closed/{dst}"]):
+            return "refused: closing"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer at {key} within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def _wrong(record: KeptRecord, url: str, src: int, size: int, data: mmap.mmap) -> str:

@@ -114,7 +114,8 @@ class Snapshotter:
             reuse = self.frozen.reuse_unchanged(record, flat, layout)
             stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
                                       if s.filename not in reuse.files)
-            kept = functools.partial(self._keep, step, record.seq, metrics, flat, layout, plan) if keeping else None
+            kept = functools.partial(self._keep, step, record.seq, metrics, flat, layout, plan,
+                                     stats=stats) if keeping else None
             if overlap and len(layout.waves) == 1:
                 self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept)
             else:
@@ -149,7 +150,7 @@ class Snapshotter:
         return None
 
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
-              slab: Slab, hashed: list[Any] | None = None) -> Any:
+              slab: Slab, hashed: list[Any] | None = None, stats: SaveStats | None = None) -> Any:
         """``slab`` holds the complete snapshot: hash it (unless ``hashed``) and keep it (``Keeper.keep``);
         the future of its copies on other nodes, if the job makes them."""
         if self.planner is not None:
@@ -163,9 +164,12 @@ class Snapshotter:
 
             def small(blocks: dict[str, list[str]]) -> bytes:
                 return skeleton_bytes(flat, layout)
-        return self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
-                         small_name=small_name, small=small, block_size=BLOCK_BYTES if self.planner is not None else 0,
-                         hashed=hashed)
+        copies = self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
+                                  small_name=small_name, small=small,
+                                  block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed)
+        if copies is not None and stats is not None:
+            copies.add_done_callback(lambda done: setattr(stats, "peer_copies", done.result()))
+        return copies
 
     def _save_in_memory(self, step: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
                         stats: SaveStats) -> SaveFuture:
