@@ -58,24 +58,35 @@ class Held:
 
 @dataclass
 class Plan:
-    """Every rank's node and holdings (``held[r]``: what rank r holds), seen from rank ``me``."""
+    """Every rank's node and holdings (``held[r]``: what rank r holds), seen from rank ``me``.
+
+    Linear in the holdings: they are indexed once by (whose, step); a reader on a node holding
+    no copy of a part reads it from the same holder as every such reader (its own, else the
+    lowest rank holding it), so which ranks serve is found per part, not per reader and part.
+    """
 
     me: int
     nodes: list[str]
     held: list[list[Held]]
+    _index: dict[tuple[int, int], list[tuple[int, Held]]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for r, hs in enumerate(self.held):
+            for h in hs:
+                self._index.setdefault((h.rank, h.step), []).append((r, h))
 
     @property
     def world_size(self) -> int:
         return len(self.nodes)
 
     def holders(self, rank: int, step: int) -> list[tuple[int, Held]]:
-        return [(r, h) for r, hs in enumerate(self.held) for h in hs if h.rank == rank and h.step == step]
+        return self._index.get((rank, step), [])
 
     def complete(self) -> set[int]:
         """Steps whose every rank's snapshot is held somewhere, all of one save (one sequence
         number; the holders of a rank's snapshot agree on its files): else not from memory."""
         out = set()
-        for step in {h.step for hs in self.held for h in hs}:
+        for step in {step for _, step in self._index}:
             saves = [{h.save for _, h in self.holders(q, step)} for q in range(self.world_size)]
             if all(len(s) == 1 for s in saves) and len({next(iter(s))[1] for s in saves}) == 1:
                 out.add(step)
@@ -89,12 +100,17 @@ class Plan:
 
     def remote(self, step: int) -> bool:
         """Whether some rank reads some snapshot of ``step`` from another node's memory."""
-        return any(self.nodes[self.holder(q, step, r)[0]] != self.nodes[r]
-                   for r in range(self.world_size) for q in range(self.world_size))
+        return bool(self.servers(step))
 
     def servers(self, step: int) -> list[int]:
-        return sorted({self.holder(q, step, r)[0] for r in range(self.world_size) for q in range(self.world_size)
-                       if self.nodes[self.holder(q, step, r)[0]] != self.nodes[r]})
+        """The ranks some reader of another node reads a part of ``step`` from."""
+        every = set(self.nodes)
+        out = set()
+        for q in range(self.world_size):
+            there = self.holders(q, step)
+            if there and every - {self.nodes[r] for r, _ in there}:  # a node holding no copy of q's part
+                out.add(min(there, key=lambda rh: (not rh[1].own, rh[0]))[0])
+        return sorted(out)
 
     def manifest(self, step: int) -> Manifest:
         files: dict[str, FileEntry] = {}
