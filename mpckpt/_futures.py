@@ -81,6 +81,7 @@ class SaveFuture:
         self._future: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
         self._observed = False
         self._lock = threading.Lock()
+        self.on_wait: Any = None  # called when someone waits for it (a paced copy to other nodes hurries)
 
     @property
     def step(self) -> int:
@@ -90,6 +91,8 @@ class SaveFuture:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
+        if self.on_wait is not None and not self._future.done():
+            self.on_wait()
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError as e:

@@ -9,6 +9,13 @@ receiver's verdict through the store. A newer snapshot kept meanwhile supersedes
 sent: its transfer stops at the next piece (the slab is about to be written again) and the
 newer one goes next. The offer's future resolves with the number of copies in place.
 
+Pacing: a copy sent at full speed takes a core (and on a real cluster the network) from
+training in a burst. The sender spreads each copy over half the time between the last
+snapshots kept (its pieces are sent on schedule, the thread sleeps between them), so the copy
+is done well before the next snapshot while training keeps most of the machine. Someone
+waiting for it (the save's ``future.result()``, ``wait()``, ``close()``) makes it hurry: the
+rest goes at full speed.
+
 Receiving (one ``mpckpt-peer-recv`` thread per source rank): each copy is written into a new
 file of this node's /dev/shm (``mpckpt-peer-`` names, ``_keep.store``), counted against this
 rank's memory budget (``Arena.hold_external``; no room: refused, the sender warns, nothing is
@@ -53,6 +60,8 @@ class _Offered:
     record: KeptRecord
     slab: Slab
     future: concurrent.futures.Future[int]
+    spread_s: float = 0.0   # the time to spread the copy over (0: full speed)
+    hurry: bool = False
 
     @property
     def extent(self) -> int:
@@ -81,6 +90,8 @@ class Replicator:
         self._stopping = False
         self._sent = dict.fromkeys(targets, 0)
         self._received = dict.fromkeys(sources, 0)
+        self._last_offer: float | None = None
+        self._interval: float | None = None  # between snapshots kept, smoothed
         self._threads: list[threading.Thread] = []
         if targets:
             self._start(self._send_loop, "mpckpt-peer-send")
@@ -99,15 +110,39 @@ class Replicator:
         if not self.targets:
             future.set_result(0)
             return future
+        now = time.monotonic()
+        if self._last_offer is not None:
+            gap = now - self._last_offer
+            self._interval = gap if self._interval is None else 0.7 * self._interval + 0.3 * gap
+        self._last_offer = now
+        item = _Offered(record, slab, future, spread_s=0.5 * (self._interval or 0.0))
+        future.hurry = lambda: self._hurry(item)  # type: ignore[attr-defined]
         with self._cond:
             if self._stopping:
                 future.set_result(0)
                 return future
             if self._pending is not None:  # never started: the newer snapshot replaces it
                 self._pending.future.set_result(0)
-            self._pending = _Offered(record, slab, future)
+            self._pending = item
             self._cond.notify_all()
         return future
+
+    def _hurry(self, item: _Offered) -> None:
+        with self._cond:
+            item.hurry = True
+            self._cond.notify_all()
+
+    def _pace(self, item: _Offered, started: float, sent: int) -> None:
+        """Sleep until ``sent`` bytes are due (spread over ``item.spread_s``), unless hurried or overtaken."""
+        if item.spread_s <= 0 or not item.extent:
+            return
+        due = started + item.spread_s * sent / item.extent
+        with self._cond:
+            while not item.hurry and self._pending is None and not self._stopping:
+                left = due - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _superseded(self, item: _Offered) -> bool:
         with self._cond:
@@ -150,7 +185,9 @@ class Replicator:
             return 0
         self.link.send_bytes(as_bytes(bytearray(body)), dst, _TAG)
         aborted = False
+        started = time.monotonic()
         for start in range(0, item.extent, CHUNK_BYTES):
+            self._pace(item, started, start)
             aborted = self._superseded(item)
             self.link.send(ints(0 if aborted else 1), dst, _TAG)
             if aborted:
@@ -265,14 +302,20 @@ class Replicator:
 
     # -- waiting, closing ------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> bool:
-        """Until nothing is being sent or waits to be (bounded); whether that was reached."""
+        """Until nothing is being sent or waits to be (bounded, at full speed); whether that was reached."""
         with self._cond:
+            for item in (self._pending, self._sending):
+                if item is not None:
+                    item.hurry = True
+            self._cond.notify_all()
             return self._cond.wait_for(lambda: self._pending is None and self._sending is None, timeout_s)
 
     def close(self, *, leave: bool) -> None:
         """Stop the threads (bounded); unless ``leave``, remove the copies held here."""
         with self._cond:
             self._stopping = True
+            if self._sending is not None:
+                self._sending.hurry = True
             if self._pending is not None:
                 self._pending.future.set_result(0)
                 self._pending = None

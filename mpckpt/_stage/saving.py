@@ -197,6 +197,7 @@ class Snapshotter:
             def copied(done: Any) -> None:
                 stats.peer_copies = done.result()
                 future._resolve(None)
+            future.on_wait = getattr(copies, "hurry", None)  # a loop that waits gets its copy at full speed
             copies.add_done_callback(copied)
         return future
 
