@@ -209,15 +209,19 @@ class Replicator:
     # -- receiving -------------------------------------------------------------------------------
     def _recv_loop(self, src: int) -> None:
         store = self.link.store()
+        failures = 0
         while True:
             n = self._received[src]
             try:
                 store.wait([_key(src, self.rank, n, "offer")], _IDLE)
                 offer = json.loads(store.get(_key(src, self.rank, n, "offer")))
-            except Exception as e:  # the store is gone (the job is ending) or the wait ran out
-                if self._stopping:
+                failures = 0
+            except Exception as e:  # the wait ran out (a day without a save), or the store is gone
+                failures += 1
+                if self._stopping or failures > 5:  # the job's store is gone: so is the job
                     return
                 log.debug("mpckpt: waiting for a copy from rank %d: %s", src, e)
+                time.sleep(1.0)
                 continue
             if offer.get("bye"):
                 return
