@@ -17,7 +17,11 @@ restore warms for the next saves the same way (``count=2``, one slab at a time),
 path. A save that finds no free slab while one it fits is being made waits for that one
 rather than making another.
 
-INVARIANT: the bytes of all slabs that exist (or are being created) never exceed ``budget_bytes``. When a request
+Copies of other nodes' snapshots held by this rank (``_peer``) live in files of their own and
+are counted too (``hold_external``): a copy that does not fit is refused, never allocated.
+
+INVARIANT: the bytes of all slabs that exist (or are being created), plus the copies held,
+never exceed ``budget_bytes``. When a request
 does not fit, free slabs that are too small are unlinked to make room; if the budget is
 still full the caller's policy decides (``acquire`` waits with a timeout, ``try_acquire``
 returns None at once). So the shared memory mpckpt uses — measured from the outside as the
