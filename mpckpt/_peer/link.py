@@ -30,6 +30,8 @@ import torch
 from mpckpt._dist.group import RankGroup
 
 CHUNK_BYTES = 32 << 20   # data moves in pieces this size (a superseded snapshot stops between two)
+PROGRESS_S = 30.0        # the longest one piece may take: a peer that makes no progress is gone
+_PROGRESS = datetime.timedelta(seconds=PROGRESS_S)
 _opened = itertools.count()  # links this process opened: a part of the prefix every rank computes alike
 
 
@@ -50,12 +52,14 @@ class Link:
         return self._store.clone()
 
     def send(self, data: torch.Tensor, dst: int, tag: int) -> None:
-        """Send a contiguous tensor (bounded by the group's timeout)."""
-        self.pg.send([data], dst, tag).wait()
+        """Send a contiguous tensor of at most ``CHUNK_BYTES`` (bounded by ``PROGRESS_S``: a lost
+        machine closes no connection, its peer must notice by the lack of progress)."""
+        self.pg.send([data], dst, tag).wait(_PROGRESS)
 
-    def recv(self, into: torch.Tensor, src: int, tag: int) -> None:
-        """Receive into a contiguous tensor (bounded by the group's timeout)."""
-        self.pg.recv([into], src, tag).wait()
+    def recv(self, into: torch.Tensor, src: int, tag: int, *, timeout_s: float | None = None) -> None:
+        """Receive into a contiguous tensor of at most ``CHUNK_BYTES`` (bounded like ``send``, or by
+        ``timeout_s``: an answer that may wait behind other ranks' requests)."""
+        self.pg.recv([into], src, tag).wait(_PROGRESS if timeout_s is None else datetime.timedelta(seconds=timeout_s))
 
     def send_bytes(self, data: torch.Tensor, dst: int, tag: int) -> None:
         """A uint8 tensor in ``CHUNK_BYTES`` pieces (the receiver calls ``recv_bytes`` alike)."""

@@ -21,7 +21,11 @@ file of this node's /dev/shm (``mpckpt-peer-`` names, ``_keep.store``), counted 
 rank's memory budget (``Arena.hold_external``; no room: refused, the sender warns, nothing is
 allocated), verified (the record's own checksum, whose snapshot it is, the xxh3-64 of every
 file) and only then published (its record renamed into place). The previous copy of that
-rank goes once the new one is in place. A copy that does not verify, or whose sender died or
+rank goes once the new one is in place, or before it when the budget cannot hold both (a copy
+of an older step is of no use once its sender kept a newer one: no other rank keeps that
+step). The budget always leaves room for the rank's own two slabs first (``hold_external``).
+Every piece of data and every answer has a bounded wait (``link.PROGRESS_S``): a lost
+machine closes no connection, so a peer that makes no progress counts as gone. A copy that does not verify, or whose sender died or
 stopped mid-way, is removed and never published.
 
 Nothing here runs on the training thread but ``offer`` (a queue put). Copies outlive this
@@ -45,7 +49,7 @@ from typing import Any
 from mpckpt._keep.keeper import hash_span
 from mpckpt._keep.record import KeptRecord
 from mpckpt._keep.store import PEER_PREFIX, KeptStore, data_path
-from mpckpt._peer.link import CHUNK_BYTES, Link, as_bytes, ints
+from mpckpt._peer.link import CHUNK_BYTES, PROGRESS_S, Link, as_bytes, ints
 from mpckpt._stage.arena import Arena, Slab
 
 log = logging.getLogger("mpckpt")
@@ -193,7 +197,7 @@ class Replicator:
             if aborted:
                 break
             self.link.send(item.slab.tensor[start:min(start + CHUNK_BYTES, item.extent)], dst, _TAG)
-        verdict = _answer(store, _key(self.rank, dst, n, "done"), None, self.link.timeout_s)
+        verdict = _answer(store, _key(self.rank, dst, n, "done"), None, PROGRESS_S + item.extent / 50e6)
         for what in ("offer", "answer", "done"):
             store.delete_key(_key(self.rank, dst, n, what))
         if verdict == "ok":
@@ -331,8 +335,8 @@ class Replicator:
                 store.compare_set(_key(src, self.rank, self._received[src], "offer"), "", _BYE)
         except Exception as e:
             log.debug("mpckpt: could not wake the receivers: %s", e)
-        for thread in self._threads:  # a copy being received is finished (bounded by the link's timeout)
-            thread.join(timeout=self.link.timeout_s)
+        for thread in self._threads:  # a copy being received is finished (each piece bounded: ``PROGRESS_S``)
+            thread.join(timeout=PROGRESS_S)
         for src, store in self.held.items():
             if not leave:
                 store.discard()

@@ -76,7 +76,7 @@ def read_remote(link: Link, holder: int, number: int, offset: int, out: memoryvi
         tag = next(_tags) % (1 << 30) + 1000
         link.send(ints(_READ, link.rank, number, offset + start, piece.numel(), tag), holder, _REQUEST)
         status = ints(0)
-        link.recv(status, holder, tag)
+        link.recv(status, holder, tag, timeout_s=link.timeout_s)  # behind other ranks' requests
         if int(status[0]) != 1:
             raise CheckpointNotFoundError(f"rank {holder} could not read file {number} of the snapshot it holds")
         link.recv(piece, holder, tag)

@@ -87,9 +87,12 @@ class Arena:
         return sum(s.capacity for s in self._slabs) + self._creating + self._external
 
     def hold_external(self, nbytes: int) -> bool:
-        """Count ``nbytes`` of memory held outside the slabs (a peer copy) if the budget has room now."""
+        """Count ``nbytes`` of memory held outside the slabs (a peer copy) if the budget has room now,
+        beside the two slabs this checkpointer's own saves use (the kept one and the next save's)."""
         with self._cond:
-            if self.closed or self.allocated_bytes + nbytes > self.budget_bytes:
+            largest = max((s.capacity for s in self._slabs), default=0)
+            own = max(0, 2 - len(self._slabs)) * largest
+            if self.closed or self.allocated_bytes + own + nbytes > self.budget_bytes:
                 return False
             self._external += nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
