@@ -11,8 +11,9 @@ newer one goes next. The offer's future resolves with the number of copies in pl
 
 Pacing: a copy sent at full speed takes a core (and on a real cluster the network) from
 training in a burst. The sender spreads each copy over half the time between the last
-snapshots kept (its pieces are sent on schedule, the thread sleeps between them), so the copy
-is done well before the next snapshot while training keeps most of the machine. Someone
+snapshots kept, at most 10 s (its pieces are sent on schedule, the thread sleeps between
+them), so the copy is done well before the next snapshot while training keeps most of the
+machine, and a node lost meanwhile costs at most that long of exposure. Someone
 waiting for it (the save's ``future.result()``, ``wait()``, ``close()``) makes it hurry: the
 rest goes at full speed.
 
@@ -57,6 +58,7 @@ _TAG = 7          # replication data, per (sender, receiver) pair: one transfer 
 _IDLE = datetime.timedelta(hours=24)  # a receiver's wait for the next offer (close wakes it sooner)
 _ANSWER_S = 30.0  # a live receiver answers an offer at once: longer means it is gone
 _BYE = json.dumps({"bye": True})
+_SPREAD_MAX_S = 10.0  # a copy is spread over at most this long: the time a node loss costs that step
 
 
 @dataclasses.dataclass
@@ -119,7 +121,7 @@ class Replicator:
             gap = now - self._last_offer
             self._interval = gap if self._interval is None else 0.7 * self._interval + 0.3 * gap
         self._last_offer = now
-        item = _Offered(record, slab, future, spread_s=0.5 * (self._interval or 0.0))
+        item = _Offered(record, slab, future, spread_s=min(0.5 * (self._interval or 0.0), _SPREAD_MAX_S))
         future.hurry = lambda: self._hurry(item)  # type: ignore[attr-defined]
         with self._cond:
             if self._stopping:
