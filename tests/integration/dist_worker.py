@@ -72,6 +72,11 @@ def build_model(kind: str, seed: int, world: int) -> tuple[torch.nn.Module, torc
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(IN, 7), torch.nn.ReLU(), torch.nn.Linear(7, HIDDEN), torch.nn.ReLU(),
                                 torch.nn.Linear(HIDDEN, OUT_DIM))
+    return parallel(model, kind, world)
+
+
+def parallel(model: torch.nn.Sequential, kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``model`` under DDP (``kind == "ddp"``) or FSDP2 (every Linear, then the whole), with AdamW."""
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import mpckpt
-from tests.integration.dist_worker import init_group, module_of, seed_generators, write_json
+from tests.integration.dist_worker import init_group, module_of, parallel, seed_generators, write_json
 
 IN, OUT_DIM = 16, 4
 MiB = 1 << 20
@@ -50,18 +50,7 @@ def build_model(kind: str, seed: int, world: int, width: int) -> tuple[torch.nn.
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(IN, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                                 torch.nn.ReLU(), torch.nn.Linear(width, OUT_DIM))
-    if kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return parallel(model, kind, world)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
