@@ -302,3 +302,38 @@ def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strid
         record = ckpt._rt.keeper.kept[1]
         manifest = ckpt._rt.ledger.committed()[1]
         assert record.step == 1 and record.file_entries() == manifest.files
+
+
+def test_mpckpt_gc_names_the_copies_held_for_other_nodes_and_removes_them_like_kept_snapshots(tmp_path):
+    """A copy of another node's snapshot (``peer_copies``) left on this node by a trainer that died
+    is listed by ``mpckpt gc`` as such, and removed by ``mpckpt gc ROOT`` (no live process holds it)."""
+    import dataclasses
+    import shutil
+
+    root = tmp_path / "root"
+    _crash(root, 1)
+    url = str(root)
+    found = store.read_kept(url, 0, 1)
+    assert found is not None
+    copy = store.KeptStore(url, 0, store.PEER_PREFIX)
+    assert copy.hold()
+    name = copy.new_data_name()
+    shutil.copyfile(store.data_path(found.record.data), store.data_path(name))
+    os.chmod(store.data_path(name), 0o600)
+    copy.publish_record(dataclasses.replace(found.record, data=name))
+    found.close()
+    copy.release(leave=True)
+    peer = store.read_kept(url, 0, 1, store.PEER_PREFIX)
+    step = found.record.step
+    assert peer is not None and peer.record.step == step
+    peer.close()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    listed = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert f"left the copy held for another node of step {step} of {root} (rank 0) kept in memory" in listed.stdout, \
+        listed
+    out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(root)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert f"removed the copy held for another node of step {step} of {root} (rank 0)" in out.stdout, out
+    assert store.read_kept(url, 0, 1, store.PEER_PREFIX) is None
+    assert not [n for n in os.listdir(store.SHM_DIR) if n.startswith(store.base_name(url, 0, prefix=store.PEER_PREFIX))]
