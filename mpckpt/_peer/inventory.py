@@ -149,13 +149,6 @@ class JobMemory:
         self._server: Server | None = None
         self._serving: list[int] = []
 
-    def drop(self, rank: int) -> None:
-        """Remove the copy of ``rank``'s snapshot found here."""
-        store, found = self.copies.pop(rank)
-        found.close()
-        store.discard()
-        store.release(leave=False)
-
     @property
     def link(self) -> Link:
         if not isinstance(self._link, Link):

@@ -21,6 +21,7 @@ fewer than R+1 nodes a rank gets as many copies as there are other nodes (a warn
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -56,13 +57,29 @@ class Placement:
     nodes: tuple[str, ...]
     copies: int
 
-    @property
+    @functools.cached_property
     def order(self) -> list[str]:
         """The distinct nodes, in the order of their lowest rank."""
         return list(dict.fromkeys(self.nodes))
 
+    @functools.cached_property
+    def _ranks(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            out.setdefault(node, []).append(rank)
+        return out
+
+    @functools.cached_property
+    def _where(self) -> tuple[dict[str, int], list[int]]:
+        """Each node's place in ``order``; each rank's index on its node."""
+        local = [0] * len(self.nodes)
+        for ranks in self._ranks.values():
+            for i, rank in enumerate(ranks):
+                local[rank] = i
+        return {node: n for n, node in enumerate(self.order)}, local
+
     def ranks_on(self, node: str) -> list[int]:
-        return [r for r, n in enumerate(self.nodes) if n == node]
+        return self._ranks.get(node, [])
 
     @property
     def effective_copies(self) -> int:
@@ -70,18 +87,22 @@ class Placement:
 
     def targets(self, rank: int) -> list[int]:
         """The ranks that hold copies of ``rank``'s snapshot, copy 1 first."""
-        order = self.order
-        n = order.index(self.nodes[rank])
-        index = self.ranks_on(self.nodes[rank]).index(rank)
+        place, local = self._where
+        n, index = place[self.nodes[rank]], local[rank]
         out = []
         for k in range(1, self.effective_copies + 1):
-            there = self.ranks_on(order[(n + k) % len(order)])
+            there = self.ranks_on(self.order[(n + k) % len(self.order)])
             out.append(there[index % len(there)])
         return out
 
     def sources(self, rank: int) -> list[int]:
-        """The ranks whose snapshots ``rank`` holds copies of."""
-        return [r for r in range(len(self.nodes)) if rank in self.targets(r)]
+        """The ranks whose snapshots ``rank`` holds copies of (those of the ``copies`` nodes before its own)."""
+        place, _ = self._where
+        n = place[self.nodes[rank]]
+        out: list[int] = []
+        for k in range(1, self.effective_copies + 1):
+            out.extend(r for r in self.ranks_on(self.order[(n - k) % len(self.order)]) if rank in self.targets(r))
+        return sorted(out)
 
 
 def placement(nodes: Sequence[str], copies: int) -> Placement:

@@ -41,15 +41,9 @@ class JobTier:
         self._make_link = lambda: Link(group, token, timeout_s=timeout_s)
         link: Any = self._make_link() if copies else self._make_link
         self.memory = JobMemory(keeper, group, self.node, link=link)
-        self.held: dict[int, KeptStore] = {}
+        # copies found at open serve the restore whatever the budget; it counts those kept after it
+        self.held: dict[int, KeptStore] = {rank: store for rank, (store, _) in self.memory.copies.items()}
         self.sizes: dict[int, int] = {}
-        for rank, (store, found) in list(self.memory.copies.items()):  # counted in this rank's budget
-            if arena.hold_external(found.record.data_size):
-                self.held[rank], self.sizes[rank] = store, found.record.data_size
-            else:
-                log.warning("mpckpt: the copy of rank %d's snapshot found in memory does not fit this rank's memory "
-                            "budget; it is removed", rank)
-                self.memory.drop(rank)
         self.replicator: Replicator | None = None
         placement = Placement(tuple(n for n, _ in every), copies)
         if copies:
@@ -60,7 +54,6 @@ class JobTier:
             self.replicator = Replicator(self.memory.link, url=keeper.url, arena=arena,
                                          targets=placement.targets(group.rank), sources=placement.sources(group.rank),
                                          held=self.held, warn=keeper.warn_once)
-            self.replicator.held_bytes.update(self.sizes)
             keeper.replicate = self.replicator.offer
 
     # -- restoring -------------------------------------------------------------------------------
@@ -82,6 +75,18 @@ class JobTier:
                 self.arena.release_external(self.sizes.pop(rank, 0))
                 if self.replicator is not None:
                     self.replicator.held_bytes.pop(rank, None)
+            elif rank not in self.sizes:  # found at open: counted in this rank's budget from now on
+                store, size = kept[rank]
+                if self.arena.hold_external(size):
+                    self.sizes[rank] = size
+                    if self.replicator is not None:
+                        self.replicator.held_bytes[rank] = size
+                else:
+                    log.warning("mpckpt: the copy of rank %d's snapshot does not fit this rank's memory budget "
+                                "after the restore; it is removed (raise memory_budget)", rank)
+                    self.held.pop(rank)
+                    store.discard()
+                    store.release(leave=False)
 
     # -- saving, closing -------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> None:

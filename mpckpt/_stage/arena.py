@@ -87,11 +87,17 @@ class Arena:
         return sum(s.capacity for s in self._slabs) + self._creating + self._external
 
     def hold_external(self, nbytes: int) -> bool:
-        """Count ``nbytes`` of memory held outside the slabs (a peer copy) if the budget has room now,
-        beside the two slabs this checkpointer's own saves use (the kept one and the next save's)."""
+        """Count ``nbytes`` of memory held outside the slabs (a peer copy) if the budget has room,
+        beside the two slabs this checkpointer's own saves need (the kept one and the next save's):
+        free slabs beyond those (a spare made ahead) give way to it."""
         with self._cond:
-            largest = max((s.capacity for s in self._slabs), default=0)
-            own = max(0, 2 - len(self._slabs)) * largest
+            largest = max((s.capacity for s in self._slabs), default=self._creating)
+            made = len(self._slabs) + (1 if self._creating else 0)
+            idle = sorted((s for s in self._slabs if not s.in_use and not s.kept), key=lambda s: s.capacity)
+            while idle and made > 2 and self.allocated_bytes + nbytes > self.budget_bytes:
+                self._drop(idle.pop(0))
+                made -= 1
+            own = max(0, 2 - made) * largest
             if self.closed or self.allocated_bytes + own + nbytes > self.budget_bytes:
                 return False
             self._external += nbytes

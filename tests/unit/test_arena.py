@@ -280,3 +280,28 @@ def test_slabs_made_ahead_are_touched_and_every_page_is_allocated(make_arena):
         st = os.stat(f"/dev/shm/{slab.name}")
         assert st.st_blocks * 512 >= slab.capacity  # no hole a write could SIGBUS on
     assert bool((in_save.tensor == 0).all())  # fresh pages read as zeros either way
+
+
+def test_a_peer_copy_is_held_beside_two_own_slabs_and_a_spare_gives_way_to_it(make_arena, shm_sizes):
+    arena = make_arena(12 * MiB)
+    slabs = [arena.try_acquire(4 * MiB) for _ in range(3)]  # the kept one, the next save's, a spare
+    assert all(s is not None for s in slabs)
+    arena.keep(slabs[0])
+    for slab in slabs:
+        arena.release(slab)
+    assert arena.hold_external(4 * MiB)  # the spare is unlinked for it
+    assert len(shm_sizes()) == 2 and arena.allocated_bytes == 12 * MiB
+    assert not arena.hold_external(1)  # two own slabs stay: no more room
+    arena.release_external(4 * MiB)
+    assert arena.allocated_bytes == 8 * MiB
+
+
+def test_a_peer_copy_leaves_room_for_the_next_save_of_a_checkpointer_with_one_slab(make_arena, shm_sizes):
+    arena = make_arena(12 * MiB)
+    kept = arena.try_acquire(4 * MiB)
+    assert kept is not None
+    arena.keep(kept)
+    arena.release(kept)
+    assert not arena.hold_external(6 * MiB)  # 4 kept + 4 for the next save + 6 > 12
+    assert arena.hold_external(4 * MiB)
+    assert arena.try_acquire(4 * MiB) is not None  # the next save still finds its slab
