@@ -77,6 +77,7 @@ from mpckpt.storage.base import WriterLock
 
 if TYPE_CHECKING:  # validate= and a job's opening and commits are imported when used, not at every open
     from mpckpt._commit.validation import Validator
+    from mpckpt._peer.tier import JobTier
 
 log = logging.getLogger("mpckpt")
 
@@ -115,7 +116,7 @@ class Runtime(ReadsCommitted):
         self.deleter: Deleter | None = None
         self.arena: Arena | None = None
         self.keeper: Keeper | None = None
-        self.tier: Any = None  # a job's recovery tier (``_peer.tier.JobTier``)
+        self.tier: JobTier | None = None  # a job's recovery tier
         self.leave_in_memory = False  # close(): leave the kept snapshot for the next process
         if group is None:
             self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)

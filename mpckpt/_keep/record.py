@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,14 +71,10 @@ class KeptRecord:
         files.update({rel: FileEntry(len(data), checksum(data)) for rel, data in self.small.items()})
         return files
 
-    def manifest(self, others: Sequence[KeptRecord] = ()) -> Manifest:
-        """The manifest of the checkpoint this record (with the other ranks' ``others``) holds."""
-        files = self.file_entries()
-        for other in others:
-            files.update(other.file_entries())
-        return Manifest(step=self.step, seq=max(self.seq, 0), kind="state", files=files, metrics=dict(self.metrics),
-                        created_unix=self.created_unix, world_size=self.world_size,
-                        format_version=format_version_for("state", files, ranked=self.ranked))
+    def manifest(self) -> Manifest:
+        """The manifest of the checkpoint this record holds (a single process's)."""
+        return state_manifest(self.step, self.seq, self.file_entries(), metrics=self.metrics,
+                              created_unix=self.created_unix, world_size=self.world_size)
 
     def to_bytes(self) -> bytes:
         body = {
@@ -127,6 +122,14 @@ class KeptRecord:
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
             raise CorruptCheckpointError(f"{path}: not a usable record of a kept snapshot ({str(e)[:200]})",
                                          path=path) from e
+
+
+def state_manifest(step: int, seq: int, files: dict[str, FileEntry], *, metrics: dict[str, Any],
+                   created_unix: float, world_size: int) -> Manifest:
+    """The manifest a memory source presents for a state saved as ``files`` (``seq`` -1: memory only)."""
+    return Manifest(step=step, seq=max(seq, 0), kind="state", files=files, metrics=dict(metrics),
+                    created_unix=created_unix, world_size=world_size,
+                    format_version=format_version_for("state", files, ranked=world_size > 1))
 
 
 def _count(value: Any) -> int:

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from mpckpt._dist.group import RankGroup
-from mpckpt._keep.record import KeptRecord, Span
+from mpckpt._keep.record import KeptRecord, Span, state_manifest
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import PEER_PREFIX, PREFIX, Found, KeptStore, peer_ranks, read_kept
 from mpckpt._peer.link import Link, as_bytes
 from mpckpt._peer.serve import Server, read_remote, stop_servers
-from mpckpt.format.manifest import FileEntry, Manifest, format_version_for
+from mpckpt.format.manifest import FileEntry, Manifest
 
 log = logging.getLogger("mpckpt")
 
@@ -120,9 +120,8 @@ class Plan:
             first = first or held
             files.update({rel: FileEntry(size, checksum) for rel, size, checksum in held.files})
         assert first is not None
-        return Manifest(step=step, seq=max(first.seq, 0), kind="state", files=files, metrics=dict(first.metrics),
-                        created_unix=first.created_unix, world_size=self.world_size,
-                        format_version=format_version_for("state", files, ranked=self.world_size > 1))
+        return state_manifest(step, first.seq, files, metrics=first.metrics, created_unix=first.created_unix,
+                              world_size=self.world_size)
 
 
 class JobMemory:
@@ -160,6 +159,10 @@ class JobMemory:
         out = [(Held.of(found.record, own=True), found)] if found is not None else []
         return out + [(Held.of(f.record, own=False), f) for _, f in self.copies.values()]
 
+    def _held_at(self, step: int) -> dict[tuple[int, bool], Found]:
+        """What this rank holds of ``step``: (whose, its own or a copy) -> the snapshot."""
+        return {(h.rank, h.own): f for h, f in self._mine() if h.step == step}
+
     def steps(self) -> dict[int, Manifest]:
         """Steps the job can restore whole from memory (a collective: every rank, training thread)."""
         mine = self._mine()
@@ -172,13 +175,15 @@ class JobMemory:
                 self._serving = plan.servers(newest)
                 link = self.link
                 if self.group.rank in self._serving:
-                    self._server = Server(link, self._reader(newest, mine))
+                    self._server = Server(link, self._reader(newest))
         return {step: plan.manifest(step) for step in complete}
 
-    def _reader(self, step: int, mine: list[tuple[Held, Found]]) -> Any:
+    def _reader(self, step: int) -> Any:
         """What this rank's server reads: file ``number`` of the plan's list of ``step``'s files."""
+        assert self.plan is not None
         table = self._table(step)
-        held = {(h.rank, h.own): f for h, f in mine if h.step == step}
+        held = self._held_at(step)
+        source = MemorySource(list(held.values()), self.plan.manifest(step))  # the files held here
 
         def read(number: int, offset: int, length: int) -> torch.Tensor:
             rank, rel = table[number]
@@ -186,19 +191,13 @@ class JobMemory:
             if found is None:
                 raise KeyError(f"rank {rank}'s snapshot of step {step} is not held here")
             what = found.record.spans.get(rel)
-            if isinstance(what, Span) and offset >= len(what.header):
-                start = what.offset + offset - len(what.header)
-                if offset + length > what.size:
-                    raise ValueError(f"[{offset}, +{length}) lies past the end of {rel}")
+            if isinstance(what, Span) and offset >= len(what.header) and offset + length <= what.size:
+                start = what.offset + offset - len(what.header)  # data only: sent from the mapping itself
                 return as_bytes(found.data)[start:start + length]
-            out = bytearray(length)
-            MemorySource([found], self.plan_manifest(step)).read_into(rel, offset, memoryview(out))
+            out = bytearray(length)  # the header, a small file, or a range the source refuses
+            source.read_into(rel, offset, memoryview(out))
             return torch.frombuffer(out, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
         return read
-
-    def plan_manifest(self, step: int) -> Manifest:
-        assert self.plan is not None
-        return self.plan.manifest(step)
 
     def _table(self, step: int) -> list[tuple[int, str]]:
         """Every file of ``step`` by number, alike on every rank: (whose, relpath)."""
@@ -227,7 +226,7 @@ class JobMemory:
         local: list[Found] = []
         remote: dict[str, tuple[int, int]] = {}
         table = {entry: n for n, entry in enumerate(self._table(step))}
-        held = {(h.rank, h.own): f for h, f in self._mine() if h.step == step}
+        held = self._held_at(step)
         for q in range(self.world_size):
             holder, h = plan.holder(q, step, me)
             if holder == me:

@@ -83,12 +83,13 @@ class Replicator:
     """This rank's side of the replication: sending to ``targets``, receiving from ``sources``."""
 
     def __init__(self, link: Link, *, url: str, arena: Arena, targets: list[int], sources: list[int],
-                 held: dict[int, KeptStore], warn: Any) -> None:
+                 held: dict[int, KeptStore], held_bytes: dict[int, int], warn: Any) -> None:
         self.link, self.url, self.arena = link, url, arena
         self.rank = link.rank
         self.targets, self.sources = targets, sources
-        self.held = held  # source rank -> the store of its copy here (locks taken at open or first copy)
-        self.held_bytes: dict[int, int] = {}
+        # source rank -> the store of its copy here (locks taken at open or at its first copy), and the
+        # bytes of it counted in the budget: the tier's, which releases them at close
+        self.held, self.held_bytes = held, held_bytes
         self.warn = warn
         self._cond = threading.Condition()
         self._pending: _Offered | None = None
@@ -320,8 +321,8 @@ class Replicator:
             self._cond.notify_all()
             return self._cond.wait_for(lambda: self._pending is None and self._sending is None, timeout_s)
 
-    def close(self, *, leave: bool) -> None:
-        """Stop the threads (bounded); unless ``leave``, remove the copies held here."""
+    def close(self) -> None:
+        """Stop the threads (bounded); a copy being received is finished first."""
         with self._cond:
             self._stopping = True
             if self._sending is not None:
@@ -339,11 +340,6 @@ class Replicator:
             log.debug("mpckpt: could not wake the receivers: %s", e)
         for thread in self._threads:  # a copy being received is finished (each piece bounded: ``PROGRESS_S``)
             thread.join(timeout=PROGRESS_S)
-        for src, store in self.held.items():
-            if not leave:
-                store.discard()
-            store.release(leave=leave)
-            self.arena.release_external(self.held_bytes.pop(src, 0))
 
 
 def _answer(store: Any, key: str, dst: int | None, timeout_s: float) -> str:

@@ -53,7 +53,7 @@ class JobTier:
                             f"{NODE_ID_VARIABLE}, else host name, boot id and /dev/shm")
             self.replicator = Replicator(self.memory.link, url=keeper.url, arena=arena,
                                          targets=placement.targets(group.rank), sources=placement.sources(group.rank),
-                                         held=self.held, warn=keeper.warn_once)
+                                         held=self.held, held_bytes=self.sizes, warn=keeper.warn_once)
             keeper.replicate = self.replicator.offer
 
     # -- restoring -------------------------------------------------------------------------------
@@ -70,17 +70,13 @@ class JobTier:
         """After a restore: copies of another step than ``restored`` go (see ``inventory``)."""
         kept = self.memory.settle(restored)
         for rank in list(self.held):
-            if rank not in kept:
+            if rank not in kept:  # removed by ``settle``
                 self.held.pop(rank)
                 self.arena.release_external(self.sizes.pop(rank, 0))
-                if self.replicator is not None:
-                    self.replicator.held_bytes.pop(rank, None)
             elif rank not in self.sizes:  # found at open: counted in this rank's budget from now on
                 store, size = kept[rank]
                 if self.arena.hold_external(size):
                     self.sizes[rank] = size
-                    if self.replicator is not None:
-                        self.replicator.held_bytes[rank] = size
                 else:
                     log.warning("mpckpt: the copy of rank %d's snapshot does not fit this rank's memory budget "
                                 "after the restore; it is removed (raise memory_budget)", rank)
@@ -97,11 +93,10 @@ class JobTier:
         self.keeper.replicate = None
         self.memory.close(leave=leave)
         if self.replicator is not None:
-            self.replicator.close(leave=leave)
-        else:
-            for rank, store in self.held.items():
-                if not leave:
-                    store.discard()
-                store.release(leave=leave)
-                self.arena.release_external(self.sizes.get(rank, 0))
+            self.replicator.close()
+        for rank, store in self.held.items():  # unless ``leave``, the copies held here go
+            if not leave:
+                store.discard()
+            store.release(leave=leave)
+            self.arena.release_external(self.sizes.pop(rank, 0))
         self.held.clear()
