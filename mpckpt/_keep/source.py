@@ -7,13 +7,12 @@ the step is kept on this node; a file of a rank kept elsewhere is missing, and t
 reads that step from storage instead. Nothing it returns is trusted: the readers check every
 size and every byte against the manifest (``_read.verified``) as they do for storage.
 
-Bytes are copied with ``memmove`` through ctypes, which releases the GIL, so the read side's
-threads copy in parallel while the calling thread hashes.
+Bytes are copied by the kernel (``Found.read_into``: ``preadv`` of the data file, the GIL
+released), so the read side's threads copy in parallel as they do from a file in the page cache.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 from mpckpt._keep.record import Span
@@ -21,10 +20,6 @@ from mpckpt._keep.store import Found
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import checkpoint_name
-
-
-def _address(buffer: object) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # type: ignore[arg-type]
 
 
 class MemorySource:
@@ -74,5 +69,4 @@ class MemorySource:
         n = len(out) - at
         if n <= 0:
             return
-        start = what.offset + offset - len(head)
-        ctypes.memmove(_address(out[at:]), _address(found.data) + start, n)  # releases the GIL
+        found.read_into(what.offset + offset - len(head), out[at:])  # (preadv: releases the GIL)

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
@@ -85,19 +86,55 @@ def _open_checked(name: str, flags: int = os.O_RDONLY) -> tuple[int, os.stat_res
     return fd, st
 
 
-@dataclass
 class Found:
-    """A kept snapshot found in /dev/shm: its record and a read-only map of its data."""
+    """A kept snapshot found in /dev/shm: its record and an open descriptor of its data.
 
-    record: KeptRecord
-    data: mmap.mmap
-    path: str  # of the record, for messages
+    Reads go through ``read_into`` (``preadv``: the kernel copies from the shared pages, with no
+    page table of a mapping to fault in, and a file truncated meanwhile is a short read, not a
+    SIGBUS); ``data`` maps it read-only, made only when asked (a peer server sends from it).
+    """
+
+    def __init__(self, record: KeptRecord, fd: int, path: str) -> None:
+        self.record = record
+        self.path = path  # of the record, for messages
+        self._fd = fd
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[start, start + len(out))`` of the data (in the record's bounds)."""
+        view = out.cast("B")
+        pos = 0
+        while pos < len(view):
+            n = os.preadv(self._fd, [view[pos:pos + _READ_PIECE]], start + pos)  # releases the GIL
+            if n == 0:
+                raise CorruptCheckpointError(f"{_path(self.record.data)} ends at {start + pos}, before the "
+                                             f"{start + len(view)} bytes the record says it holds (truncated)")
+            pos += n
+
+    @property
+    def data(self) -> mmap.mmap:
+        """A read-only map of the data (made at the first use)."""
+        with self._lock:
+            if self._map is None:
+                # private and writable only so that ctypes can take its address: never written
+                self._map = mmap.mmap(self._fd, self.record.data_size, mmap.MAP_PRIVATE,
+                                      mmap.PROT_READ | mmap.PROT_WRITE) if self.record.data_size else mmap.mmap(-1, 1)
+            return self._map
 
     def close(self) -> None:
-        try:
-            self.data.close()
-        except BufferError:
-            pass  # a view of it is still alive; the mapping goes with it
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:
+                    pass  # a view of it is still alive; the mapping goes with it
+
+
+_READ_PIECE = 64 << 20  # most bytes one preadv call copies
 
 
 def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Found | None:
@@ -122,16 +159,11 @@ def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Fou
         if why:
             raise CorruptCheckpointError(f"{_path(name)}: {why}")
         data_fd, data_st = _open_checked(record.data)
-        try:
-            if data_st.st_size < record.data_size:
-                raise CorruptCheckpointError(f"{_path(record.data)} is {data_st.st_size} bytes, the record says "
-                                             f"{record.data_size} (truncated)")
-            # private and writable only so that ctypes can take its address (``source``): never written
-            data = mmap.mmap(data_fd, record.data_size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) \
-                if record.data_size else mmap.mmap(-1, 1)
-        finally:
+        if data_st.st_size < record.data_size:
             os.close(data_fd)
-        return Found(record, data, _path(name))
+            raise CorruptCheckpointError(f"{_path(record.data)} is {data_st.st_size} bytes, the record says "
+                                         f"{record.data_size} (truncated)")
+        return Found(record, data_fd, _path(name))
     except (OSError, CorruptCheckpointError) as e:
         text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored, storage is used: %s", url,
