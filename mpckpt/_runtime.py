@@ -81,6 +81,8 @@ if TYPE_CHECKING:  # validate= and a job's opening and commits are imported when
 
 log = logging.getLogger("mpckpt")
 
+UPLOADERS_HELD_S = 5.0  # most an open's uploaders wait for a restore to read (their start slows it on few cores)
+
 class Runtime(ReadsCommitted):
     """Everything one open Checkpointer holds, wired together: the pipeline of a checkpoint.
 
@@ -138,7 +140,8 @@ class Runtime(ReadsCommitted):
                                      priority=config.uploader_priority, max_attempts=config.max_job_attempts,
                                      in_process=bool(getattr(backend, "process_local", False)), environ=environ)
             self.errors.add_source(self.pool.take_internal_error)
-            self.pool.start(wait=config.start_method == "fork")  # in the background; fork: before threads run
+            # in the background, once a restore has read or a save needs them; fork: before threads run
+            self.pool.start(wait=config.start_method == "fork", hold_s=UPLOADERS_HELD_S)
             # staging folders are the commit side's: staging is handed only the calls that make and
             # remove them (in a job a dropped step's folder is the coordinator's to remove)
             budget = Budget(config, self.arena, self.ledger, self.pool, on_wait=self.errors.raise_unseen,
@@ -204,11 +207,15 @@ class Runtime(ReadsCommitted):
 
     def done_reading(self) -> None:
         """A restore ended on every rank (or failed alike): other nodes' memory is no longer read."""
+        if self.pool is not None:
+            self.pool.go()
         if self.tier is not None:
             self.tier.done_reading()
 
     def restored(self, step: int | None) -> None:
         """A restore finished (``step``: what it restored): take over or drop what was found in memory."""
+        if self.pool is not None:
+            self.pool.go()  # the uploaders start now
         if self.tier is not None:
             self.tier.settle(step)
         if self.keeper is None:

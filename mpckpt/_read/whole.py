@@ -10,9 +10,10 @@ into the live tensor it restores.
    straight into its own memory, in pieces of at most ``_READ_CHUNK`` (one big tensor is read
    by several threads); smaller tensors, and entries no leaf uses, are read together into a
    scratch buffer (one request instead of hundreds) and copied out;
-4. a thread pool reads the chunks of every shard; the calling thread hashes each file's
-   header and chunks in file order as they arrive, so the checksum covers every byte, and
-   compares it with the manifest. Only then are tensors built and handed out.
+4. a thread pool reads the chunks of every shard; each file's header and chunks are hashed in
+   file order by whichever reader completes the chunk the hash waits for (``_OrderedHash``), so
+   the checksum covers every byte; the calling thread compares it with the manifest once every
+   read has ended. Only then are tensors built and handed out.
 
 INVARIANT: a loaded tensor owns its memory; none is a view into a shard-sized buffer (C++
 entry points such as ``torch.set_rng_state`` ignore storage offsets, a small tensor must not
@@ -33,7 +34,6 @@ A read that lasts more than a second draws a progress bar on a terminal (``_prog
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import math
 import threading
@@ -174,8 +174,46 @@ def _plan(shard: _Shard) -> list[_Chunk]:
     return chunks
 
 
-def _read_chunk(source: Source, relpath: str, chunk: _Chunk, bar: Any, wrote: threading.Event) -> memoryview:
-    """Run one read; return the bytes it covered (for the hash, in file order). ``wrote`` is set
+class _OrderedHash:
+    """The checksum of one shard, fed in file order by whichever reader thread completes the
+    chunk it waits for: hashing runs on the readers' threads, beside the reads, mostly while a
+    chunk is still in the cache, instead of on one thread after them."""
+
+    def __init__(self, head: bytes, count: int) -> None:
+        self.hasher = xxhash.xxh3_64(head)
+        self.count = count      # chunks in the shard
+        self.hashed = 0         # chunks hashed so far (in file order)
+        self._ready: dict[int, memoryview] = {}
+        self._busy = False      # a thread is hashing: it takes what arrives meanwhile
+        self._lock = threading.Lock()
+
+    def arrived(self, index: int, view: memoryview) -> None:
+        """Chunk ``index`` was read: hash it and every chunk after it that is ready, unless
+        another thread is doing so (it will)."""
+        with self._lock:
+            self._ready[index] = view
+            if self._busy:
+                return
+            self._busy = True
+        while True:
+            with self._lock:
+                if self.hashed not in self._ready:
+                    self._busy = False
+                    return
+                view = self._ready.pop(self.hashed)  # (a scratch buffer goes once hashed)
+            try:
+                self.hasher.update(view)  # (xxhash releases the GIL)
+            except BaseException:
+                with self._lock:
+                    self._busy = False
+                raise
+            with self._lock:
+                self.hashed += 1
+
+
+def _read_chunk(source: Source, relpath: str, chunk: _Chunk, bar: Any, wrote: threading.Event,
+                hashed: _OrderedHash, index: int) -> None:
+    """Run one read and hand the bytes it covered to the shard's checksum. ``wrote`` is set
     before a read that writes into live tensors starts."""
     if chunk.live:
         wrote.set()
@@ -185,7 +223,7 @@ def _read_chunk(source: Source, relpath: str, chunk: _Chunk, bar: Any, wrote: th
         dest[:] = view[at:at + len(dest)]
     if bar is not None:
         bar.update(len(view))
-    return view
+    hashed.arrived(index, view)
 
 
 def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int,
@@ -205,13 +243,17 @@ def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int,
             for s in names:  # a damaged shard explains a mismatch best: its checksum error first
                 stream_verified(source, s)
             raise error(skeleton.where, "its tensors do not match the shards", e) from e
-        reads = [(shard, collections.deque(pool.submit(_read_chunk, source, shard.relpath, c, bar, wrote)
-                                           for c in _plan(shard))) for shard in shards.values()]
-        for shard, futures in reads:
-            hasher = xxhash.xxh3_64(shard.head)
-            while futures:  # popped as hashed, so each scratch buffer goes as soon as it is hashed
-                hasher.update(futures.popleft().result())
-            check_digest(hasher, source, shard.relpath)
+        reads = []
+        for shard in shards.values():
+            chunks = _plan(shard)
+            hashed = _OrderedHash(shard.head, len(chunks))
+            reads.append((shard, hashed, [pool.submit(_read_chunk, source, shard.relpath, c, bar, wrote, hashed, i)
+                                          for i, c in enumerate(chunks)]))
+        for shard, hashed, futures in reads:
+            for future in futures:
+                future.result()
+            assert hashed.hashed == hashed.count, (shard.relpath, hashed.hashed, hashed.count)  # every read ended
+            check_digest(hashed.hasher, source, shard.relpath)
     except BaseException as e:
         pool.shutdown(wait=True, cancel_futures=True)  # (as below: every read that started has ended)
         if not wrote.is_set():

@@ -14,8 +14,10 @@ environment) and pinged when the pool starts: each proves it can write to the ro
 first save finds them warm and storage the *uploaders* cannot write to fails clearly before
 any upload. ``start(wait=False)`` leaves that to the dispatcher thread, which does it before
 anything else (jobs submitted meanwhile wait in the queue; if the start fails they fail with
-its error): the Checkpointer opens and restores while the workers start, and ``ready``
-(bounded by the start timeout) gives the outcome to the first call that needs the workers.
+its error): the Checkpointer opens while the workers start, and ``ready`` (bounded by the
+start timeout) gives the outcome to the first call that needs the workers. The start can be
+held back a while (``hold_s``): the Runtime lets a restore read first, and ``go`` (the end of a
+restore), ``ready`` or a submit start them at once.
 They run below training or beside it, as ``priority`` says (``config.UploaderPriority``:
 idle by default).
 
@@ -39,6 +41,7 @@ from typing import Any
 from multiprocess.connection import wait as mp_wait
 
 from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
+from mpckpt._upload.threadworker import ThreadWorker
 from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
 from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_START_METHOD, DEFAULT_UPLOADER_PRIORITY, UploaderPriority
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
@@ -59,44 +62,6 @@ class Job:
     timeout_s: float | None = None  # a worker still on it after this long is killed, the job retried
     attempts: int = 0
     id: int = field(default=0)
-
-
-class _ThreadWorker:
-    """A worker thread standing in for a process, for storage that lives in this process.
-
-    It speaks the same pipe protocol and offers what the dispatcher uses of a process: a
-    sentinel (a pipe that becomes readable when the thread ends), ``exitcode``, ``join``.
-    """
-
-    def __init__(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
-        self.sentinel, self._done_w = os.pipe()
-        self.pid = os.getpid()
-        self.exitcode: int | None = None
-        self._thread = threading.Thread(target=self._main, args=(target, args), name="mpckpt-uploader", daemon=True)
-
-    def _main(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
-        try:
-            target(*args)
-            self.exitcode = 0
-        except BaseException:
-            self.exitcode = 1
-        finally:
-            os.close(self._done_w)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            with contextlib.suppress(OSError):
-                os.close(self.sentinel)
-
-    def kill(self) -> None:
-        """Threads cannot be killed; closing the pipe (done by the pool) ends the loop."""
 
 
 class _Slot:
@@ -135,7 +100,9 @@ class UploaderPool:
         self._abandon = False  # set by close() when the queue did not drain in time
         self._thread: threading.Thread | None = None
         self._start_timeout_s = 120.0
+        self._hold_s = 0.0
         self._started = threading.Event()  # the start has an outcome: workers up, or _start_error
+        self._go = threading.Event()  # the workers may start (``start``'s ``hold_s``)
         self._start_error: BaseException | None = None
         self._start_error_seen = False
         self._internal_errors: list[BaseException] = []
@@ -147,7 +114,7 @@ class UploaderPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc: Any
         if self.in_process:
-            proc = _ThreadWorker(worker_main, (child, WorkerSetup(self.spec, self.priority.nice, index)))
+            proc = ThreadWorker(worker_main, (child, WorkerSetup(self.spec, self.priority.nice, index)))
             proc.start()
         else:
             setup = WorkerSetup(self.spec, self.priority.nice, index, trainer_pid=os.getpid(), environ=self.environ,
@@ -158,13 +125,17 @@ class UploaderPool:
             child.close()
         return _Slot(proc, parent)
 
-    def start(self, *, timeout_s: float = 120.0, wait: bool = True) -> None:
+    def start(self, *, timeout_s: float = 120.0, wait: bool = True, hold_s: float = 0.0) -> None:
         """Start every worker and have each prove it can write to the root, within ``timeout_s``.
 
         ``wait``: return once they have, or raise why not (having stopped what was started);
-        otherwise return at once and let ``ready`` tell.
+        otherwise return at once and let ``ready`` tell. ``hold_s`` (without ``wait``): the workers
+        start that much later, or at ``go`` or ``ready`` if sooner (a restore reads meanwhile).
         """
         self._start_timeout_s = timeout_s
+        if wait or hold_s <= 0:
+            self.go()
+        self._hold_s = hold_s
         self._thread = threading.Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
         self._thread.start()
         if wait:
@@ -174,6 +145,10 @@ class UploaderPool:
                 self.close(timeout_s=5)
                 raise
 
+    def go(self) -> None:
+        """Let the workers start now (``start``'s ``hold_s``)."""
+        self._go.set()
+
     def ready(self, *, again: bool = True) -> None:
         """Wait until the workers have started (bounded); raise the start's failure.
 
@@ -182,6 +157,7 @@ class UploaderPool:
         """
         if self._thread is None:
             return
+        self.go()
         if not self._started.wait(self._start_timeout_s + 30.0):  # the dispatcher keeps its own deadline
             raise WaitTimeoutError(f"the uploader processes did not start within {self._start_timeout_s:.0f}s")
         error = self._start_error
@@ -246,8 +222,9 @@ class UploaderPool:
 
     @property
     def pids(self) -> list[int]:
-        """The workers' process ids, once started (waits for the start, bounded)."""
+        """The workers' process ids, once started (starts them if held; waits for the start, bounded)."""
         if self._thread is not None:
+            self.go()
             self._started.wait(self._start_timeout_s + 30.0)
         with self._lock:
             return [s.process.pid for s in self._slots]
@@ -263,6 +240,7 @@ class UploaderPool:
             return
         self._closed = True
         self._stopping = True
+        self.go()
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
@@ -319,6 +297,7 @@ class UploaderPool:
         before any of these jobs is sent: it prepares what they write into (a staging folder).
         If it raises, every one of them fails with that error, unsent.
         """
+        self.go()  # (a held start: jobs need the workers now)
         for job in jobs:
             job.id = next(self._ids)
         with self._lock:
@@ -361,6 +340,7 @@ class UploaderPool:
 
     # -- dispatcher thread ----------------------------------------------------------------
     def _run(self) -> None:
+        self._go.wait(self._hold_s)
         if not self._start_workers():
             while not self._stopping:  # no workers: every job fails, until close()
                 self._fail_left_over()

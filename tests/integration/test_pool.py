@@ -2,7 +2,8 @@
 
 Covered: ``start`` pings every worker (they prove they can write to the root, or start fails
 and leaves no process behind); ``start(wait=False)`` returns at once, jobs queued meanwhile are
-written once the workers answer, and a failed start comes out of ``ready`` (once for a wait,
+written once the workers answer, a start held back (``hold_s``) spawns nothing until ``go``, a
+submit or its bound, and a failed start comes out of ``ready`` (once for a wait,
 every time for a caller that needs the workers) and fails the queued jobs; write jobs from a real shared-memory segment produce files of
 header + slab bytes and report their size and xxh3 checksum; jobs are spread over the
 workers; a worker SIGKILLed in the middle of a job is replaced and the job retried; a job
@@ -170,6 +171,33 @@ def test_a_start_in_the_background_queues_jobs_until_the_workers_answer(tmp_path
     _, result, error = results.done["early.bin"]
     assert error is None and result is not None
     assert (tmp_path / "root" / "early.bin").read_bytes() == expected_bytes(segment, results.done["early.bin"][0])
+
+
+def test_a_held_start_waits_for_go_a_submit_or_its_bound_and_nothing_else(tmp_path, segment):
+    """``start(wait=False, hold_s=)``: no worker while a restore reads; ``go``, a submit or the
+    bound each start them (``ready`` does too: it is what a save calls first)."""
+    spec = spec_for_url(str(tmp_path / "root"))
+    results = Results()
+    pools = [UploaderPool(spec, workers=1, start_method="forkserver") for _ in range(3)]
+    try:
+        for pool in pools[:2]:
+            pool.start(wait=False, hold_s=BOUND_S * 10)
+        pools[2].start(wait=False, hold_s=0.3)
+        time.sleep(1.0)  # (the third pool's bound has passed; the others' has not)
+        assert not pools[0]._slots and not pools[1]._slots, "a held start spawned its workers"
+        assert not pools[0]._started.is_set() and not pools[1]._started.is_set()
+        pools[0].go()
+        pools[1].submit(write_job(segment, "held.bin", results))
+        results.wait_for("held.bin")
+        for pool in pools:
+            pool.ready()
+            assert len(pool.pids) == 1
+    finally:
+        for pool in pools:
+            pool.close(timeout_s=BOUND_S)
+    _, result, error = results.done["held.bin"]
+    assert error is None and result is not None
+    assert not any(pool._thread.is_alive() for pool in pools)
 
 
 def test_a_failed_start_in_the_background_comes_out_of_ready_and_fails_the_queued_jobs(tmp_path, segment):
