@@ -260,16 +260,24 @@ class MemorySampler:
 
 
 # -- child processes ---------------------------------------------------------------------------
-def read_files_into(paths: Sequence[str], buffer: memoryview, *, threads: int, chunk: int = 64 << 20) -> float:
-    """Read ``paths`` one after another into ``buffer`` (at least their total size) with ``chunk``-byte
-    ``preadv`` calls on ``threads`` threads: the read floor. Returns the seconds the reads took."""
+def read_files_into(paths: Sequence[str], buffer: memoryview | Sequence[memoryview], *, threads: int,
+                    chunk: int = 64 << 20) -> float:
+    """Read ``paths`` one after another into ``buffer`` (at least their total size; several buffers
+    are filled one after another) with ``chunk``-byte ``preadv`` calls on ``threads`` threads: the
+    read floor. Returns the seconds the reads took."""
     import concurrent.futures
 
-    jobs, at = [], 0
+    buffers = [buffer] if isinstance(buffer, memoryview) else list(buffer)
+    jobs: list[tuple[str, int, memoryview]] = []
+    index, used = 0, 0  # the buffer being filled, and how much of it is
     for path in paths:
-        size = os.path.getsize(path)
-        jobs += [(path, start, buffer[at + start:at + min(size, start + chunk)]) for start in range(0, size, chunk)]
-        at += size
+        size, start = os.path.getsize(path), 0
+        while start < size:
+            while len(buffers[index]) == used:
+                index, used = index + 1, 0
+            n = min(chunk, size - start, len(buffers[index]) - used)
+            jobs.append((path, start, buffers[index][used:used + n]))
+            start, used = start + n, used + n
 
     def read(job: tuple[str, int, memoryview]) -> None:
         path, start, view = job

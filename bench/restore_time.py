@@ -2,10 +2,18 @@
 
 Every repetition is a fresh process (a restart): it imports torch, builds the house workload's
 model and a fresh Adam (``_harness``: ``nn.Linear`` layers, ``--gib`` GiB with the moments), then
-restores one committed checkpoint of the same state, written once into ``--dir`` by a child:
+restores one committed checkpoint of the same state, written once into ``--dir`` by a child.
+``--moments fresh`` (the default) is a restarted trainer: its optimizer has no state yet, so the
+moments (two thirds of the bytes) need new memory, whose pages the kernel must allocate and zero
+as they are first written; ``--moments live`` steps the optimizer once (zero gradients) before
+the clock, so every tensor exists and is touched (a restore inside a running process).
 
 - ``readinto floor``: the checkpoint's shard bytes read into one preallocated, touched buffer of
   their size with 64 MiB ``preadv`` calls on 2 threads; no hash, nothing applied (the floor);
+- ``restart floor``: the same reads into the memory a restarted trainer has: a touched buffer of
+  the size of the model's parameters (of the whole state with ``--moments live``), then new
+  memory (``torch.empty``, its pages first written by the reads) for the rest: the physical floor
+  of a restore into a fresh optimizer;
 - ``torch.load``: ``torch.load`` of a ``torch.save`` file of the state dicts, then
   ``load_state_dict`` on the model and the optimizer;
 - ``DCP load``: ``dcp.load`` of a ``dcp.save`` of ``get_state_dict``, then ``set_state_dict``;
@@ -26,9 +34,12 @@ restores one committed checkpoint of the same state, written once into ``--dir``
 
 Subjects run interleaved (drift hits each alike), warm page cache (one untimed read first), and
 ``--pythonpath`` measures another checkout's mpckpt. Figures are medians; ``x floor`` is the
-restore's median over the readinto floor's, ``x segment copy`` over the segment copy's. The time
-to build the model is reported, not counted (nor is importing torch, done before any clock
-starts). The kept snapshot is written when a subject needs it and removed at the end (it holds
+restore's median over the readinto floor's, ``x restart floor`` over the restart floor's, ``x
+segment copy`` over the segment copy's. The time to build the model is reported, not counted;
+nor is importing torch, or mpckpt (``import s``, reported apart: paid by every process that uses
+mpckpt, at its start, whether or not it restores; the bench compiles mpckpt's bytecode first, as
+an installed package has it, since ``PYTHONDONTWRITEBYTECODE`` set in an environment would
+otherwise make every import compile from source). The kept snapshot is written when a subject needs it and removed at the end (it holds
 the state's size in /dev/shm while the subjects run: at large sizes, run the memory subjects
 apart from those that hold two copies of the state, with ``--subjects``). ``mpckpt gc`` run
 meanwhile by this user on this node removes it between repetitions (no process keeps it then),
@@ -49,21 +60,23 @@ import _harness as h
 
 CHUNK = 64 << 20
 MEM_ROOT = "mpckpt_mem"  # the root whose only checkpoint is kept in memory
-SUBJECTS = ["floor", "torch_load", "dcp_load", "mpckpt_read_only", "mpckpt_writer", "segment_copy", "mpckpt_memory"]
+SUBJECTS = ["floor", "restart_floor", "torch_load", "dcp_load", "mpckpt_read_only", "mpckpt_writer", "segment_copy", "mpckpt_memory"]
 MEMORY_SUBJECTS = {"segment_copy", "mpckpt_memory"}  # need the snapshot kept in /dev/shm
-LABELS = {"floor": "readinto floor (2 threads, no hash)", "torch_load": "torch.load + load_state_dict",
+LABELS = {"floor": "readinto floor (2 threads, no hash)",
+          "restart_floor": "restart floor (readinto the trainer's memory, 2 threads, no hash)", "torch_load": "torch.load + load_state_dict",
           "dcp_load": "DCP load + set_state_dict", "mpckpt_read_only": "mpckpt read-only: open + restore",
           "mpckpt_writer": "mpckpt writer: open + restore (+ prepare)",
           "segment_copy": "segment copy floor (kept in /dev/shm, 2 threads, no hash)",
           "mpckpt_memory": "mpckpt writer from memory: open + restore (+ prepare)"}
 COLUMNS = [("what", "what", 0), ("median_s", "to a usable model s", 3), ("x_floor", "x floor", 1),
-           ("x_segment", "x segment copy", 1),
-           ("open_s", "open s", 3), ("restore_s", "restore s", 3), ("close_s", "close s", 3),
+           ("x_restart", "x restart floor", 1), ("x_segment", "x segment copy", 1),
+           ("import_s", "import s", 3), ("open_s", "open s", 3), ("restore_s", "restore s", 3), ("close_s", "close s", 3),
            ("build_s", "build model s", 2), ("runs_s", "runs s", 0)]
 
 
-def _live(gib: float) -> tuple[Any, Any]:
-    """A restarted trainer's model and optimizer: built anew, the optimizer without state yet."""
+def _live(gib: float, moments: str = "fresh") -> tuple[Any, Any]:
+    """A restarted trainer's model and optimizer: built anew, the optimizer without state yet
+    (``moments="live"``: stepped once with zero gradients, so that its moments exist)."""
     import torch
     from torch import nn
 
@@ -75,7 +88,13 @@ def _live(gib: float) -> tuple[Any, Any]:
         if i < layers - 1:
             blocks.append(nn.ReLU())
     model = nn.Sequential(*blocks)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    if moments == "live":
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
 
 
 def write_child(folder: str, gib: float, *, storage: bool, memory: bool) -> None:
@@ -105,7 +124,7 @@ def write_child(folder: str, gib: float, *, storage: bool, memory: bool) -> None
     h.emit_result({"written": folder})
 
 
-def child(subject: str, folder: str, gib: float) -> None:
+def child(subject: str, folder: str, gib: float, moments: str) -> None:
     import torch  # (imported with _harness already: not timed)
 
     out: dict[str, Any] = {}
@@ -114,8 +133,16 @@ def child(subject: str, folder: str, gib: float) -> None:
                    else _segment_copy(os.path.join(folder, MEM_ROOT)))
         h.emit_result(out)
         return
+    if subject.startswith("mpckpt"):
+        started = time.perf_counter()
+        import mpckpt.checkpointer  # noqa: F401  (what Checkpointer's first use imports)
+        out["import_s"] = time.perf_counter() - started
     built = time.perf_counter()
-    model, optimizer = _live(gib)
+    model, optimizer = _live(gib, moments)
+    if subject == "restart_floor":
+        out.update(_restart_floor(os.path.join(folder, "mpckpt"), model, optimizer))
+        h.emit_result(out)
+        return
     t0 = time.perf_counter()
     out["build_s"] = t0 - built
     if subject == "torch_load":
@@ -167,6 +194,28 @@ def _floor(root: str) -> dict[str, Any]:
     return {"restore_s": seconds, "total_s": seconds, "bytes": total}
 
 
+def _restart_floor(root: str, model: Any, optimizer: Any) -> dict[str, Any]:
+    """The floor's reads into what a restarted trainer holds: touched memory the size of the tensors
+    that exist (the model's; the moments too once stepped), new memory for the rest."""
+    import ctypes
+
+    import torch
+
+    folder = os.path.join(root, sorted(n for n in os.listdir(root) if n.startswith("step_"))[-1])
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
+    total = sum(os.path.getsize(p) for p in paths)
+    existing = sum(p.nbytes for p in model.parameters())
+    existing += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    touched = torch.ones(min(existing, total), dtype=torch.uint8)
+    started = time.perf_counter()
+    fresh = torch.empty(total - touched.numel(), dtype=torch.uint8)  # pages come with the first write
+    views = [memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+             for t in (touched, fresh) if t.numel()]
+    h.read_files_into(paths, views, threads=2, chunk=CHUNK)
+    seconds = time.perf_counter() - started
+    return {"restore_s": seconds, "total_s": seconds, "bytes": total, "fresh_bytes": fresh.numel()}
+
+
 def _segment_copy(root: str) -> dict[str, Any]:
     """The kept snapshot's data file, mapped read-only, copied into a touched buffer by 2 threads."""
     import ctypes
@@ -205,6 +254,14 @@ def _segment_copy(root: str) -> dict[str, Any]:
     data.close()
     return {"restore_s": seconds, "total_s": seconds, "bytes": total,
             "state_bytes": sum(n for _, n in spans), "slab_bytes": record.data_size}
+
+
+def compile_mpckpt(pythonpath: str | None) -> None:
+    """Write the bytecode of the mpckpt the children import, as an installed package has it."""
+    import compileall
+
+    package = os.path.join(os.path.abspath(pythonpath or os.path.join(os.path.dirname(__file__), "..")), "mpckpt")
+    compileall.compile_dir(package, quiet=1)
 
 
 def warm(folder: str) -> None:
@@ -247,7 +304,8 @@ def write(args: argparse.Namespace, folder: str, *, storage: bool, memory: bool)
 def run_subject(args: argparse.Namespace, folder: str, subject: str) -> dict[str, Any]:
     """One repetition of ``subject`` in a fresh process. A memory subject whose kept snapshot is
     gone (``mpckpt gc`` run meanwhile on this node removes it) writes it again first, once."""
-    argv = [os.path.abspath(__file__), "--child", subject, "--dir", folder, "--gib", str(args.gib)]
+    argv = [os.path.abspath(__file__), "--child", subject, "--dir", folder, "--gib", str(args.gib),
+            "--moments", args.moments]
     rewritten = 0
     for _ in range(2):
         if subject in MEMORY_SUBJECTS and not h.kept_in_memory(os.path.join(folder, MEM_ROOT)):
@@ -266,13 +324,14 @@ def _measure(args: argparse.Namespace, folder: str, subjects: list[str]) -> dict
     warm(folder)
     if args.pythonpath:
         os.environ["PYTHONPATH"] = os.path.abspath(args.pythonpath)
+    compile_mpckpt(args.pythonpath)
     busy = h.wait_for_quiet(args.wait_quiet_s)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in subjects}
     for _ in range(args.reps):
         for subject in subjects:
             runs[subject].append(run_subject(args, folder, subject))
     floors = {name: h.median([r["total_s"] for r in runs[name]]) if runs.get(name) else None
-              for name in ("floor", "segment_copy")}
+              for name in ("floor", "restart_floor", "segment_copy")}
     rows = []
     for subject, results in runs.items():
         med = h.median([r["total_s"] for r in results])
@@ -283,6 +342,9 @@ def _measure(args: argparse.Namespace, folder: str, subjects: list[str]) -> dict
         segment = floors["segment_copy"] if subject in MEMORY_SUBJECTS else None
         rows.append({"what": LABELS[subject], "subject": subject, "median_s": med,
                      "x_floor": med / floors["floor"] if floors["floor"] else None,
+                     "x_restart": med / floors["restart_floor"]
+                     if floors["restart_floor"] and subject not in ("floor", "segment_copy") else None,
+                     "import_s": mid("import_s"),
                      "x_segment": med / segment if segment else None,
                      "open_s": mid("open_s"), "restore_s": mid("restore_s"), "close_s": mid("close_s"),
                      "build_s": mid("build_s"), "source": results[0].get("source"), "bytes": results[0].get("bytes"),
@@ -303,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the checkpoints are written once and reused (default: bench/results/"
                         "restore_time_ckpt_<gib>gib)")
     p.add_argument("--pythonpath", default=None, help="measure the mpckpt of this checkout")
+    p.add_argument("--moments", choices=("fresh", "live"), default="fresh",
+                   help="fresh: the optimizer has no state yet (a restart); live: stepped once before the clock")
     p.add_argument("--out", default=os.path.join(h.RESULTS_DIR, "restore_time.json"))
     p.add_argument("--wait-quiet-s", type=float, default=20, help="wait up to this long for idle CPUs first")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -314,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        return child(args.child, args.dir, args.gib)
+        return child(args.child, args.dir, args.gib, args.moments)
     if args.write:
         what = args.write_what.split(",")
         return write_child(args.write, args.gib, storage="storage" in what, memory="memory" in what)

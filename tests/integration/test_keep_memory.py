@@ -167,6 +167,22 @@ def test_a_damaged_kept_snapshot_falls_back_to_storage(tmp_path, damage, caplog)
     assert "memory" in caplog.text
 
 
+def test_a_kept_snapshot_truncated_after_the_open_found_it_falls_back_to_storage(tmp_path, caplog):
+    """The data shrinks between the open (which checked its size) and the restore's reads: a short
+    read, said and read past, never a SIGBUS nor a wrong byte."""
+    root = tmp_path / "root"
+    saved = _crash(root, 3)
+    data = next(n for n in kept_files(str(root)) if not n.endswith((".lock", ".record")))
+    model, opt = make_model(seed=7)
+    state = {"model": model, "optim": opt}
+    with mpckpt.Checkpointer(root, memory_budget="64MiB") as ckpt:
+        assert ckpt._rt.keeper.found is not None, "the open found the kept snapshot"
+        os.truncate(os.path.join(store.SHM_DIR, data), 4096)
+        assert ckpt.restore(state) == 2 and ckpt.last_restore.source == "storage", ckpt.last_restore
+        assert_same({k: v for k, v in state["model"].state_dict().items()}, saved[2]["model"])
+    assert "truncated" in caplog.text and "trying storage" in caplog.text
+
+
 def test_a_damaged_memory_only_step_falls_back_to_the_newest_on_storage(tmp_path):
     root = tmp_path / "root"
     saved = _crash(root, 4, memory_after=1)  # 0, 1 on storage; 2, 3 in memory (3 kept)
