@@ -83,6 +83,7 @@ log = logging.getLogger("mpckpt")
 
 UPLOADERS_HELD_S = 5.0  # most an open's uploaders wait for a restore to read (their start slows it on few cores)
 
+
 class Runtime(ReadsCommitted):
     """Everything one open Checkpointer holds, wired together: the pipeline of a checkpoint.
 

@@ -176,8 +176,8 @@ def _plan(shard: _Shard) -> list[_Chunk]:
 
 class _OrderedHash:
     """The checksum of one shard, fed in file order by whichever reader thread completes the
-    chunk it waits for: hashing runs on the readers' threads, beside the reads, mostly while a
-    chunk is still in the cache, instead of on one thread after them."""
+    chunk it waits for: hashing runs on the readers' threads, beside the reads, instead of on
+    the calling thread after them (where, on few cores, it was the tail of every restore)."""
 
     def __init__(self, head: bytes, count: int) -> None:
         self.hasher = xxhash.xxh3_64(head)
