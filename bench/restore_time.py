@@ -39,9 +39,10 @@ segment copy`` over the segment copy's. The time to build the model is reported,
 nor is importing torch, or mpckpt (``import s``, reported apart: paid by every process that uses
 mpckpt, at its start, whether or not it restores; the bench compiles mpckpt's bytecode first, as
 an installed package has it, since ``PYTHONDONTWRITEBYTECODE`` set in an environment would
-otherwise make every import compile from source). The kept snapshot is written when a subject needs it and removed at the end (it holds
-the state's size in /dev/shm while the subjects run: at large sizes, run the memory subjects
-apart from those that hold two copies of the state, with ``--subjects``). ``mpckpt gc`` run
+otherwise make every import compile from source). The kept snapshot is written when a subject
+needs it and removed at the end (it holds the state's size in /dev/shm while the subjects run: at
+large sizes, run the memory subjects apart from those that hold two copies of the state, with
+``--subjects``). ``mpckpt gc`` run
 meanwhile by this user on this node removes it between repetitions (no process keeps it then),
 and the memory subject fails its assertion: run the bench where nobody runs ``gc``.
 
@@ -60,17 +61,20 @@ import _harness as h
 
 CHUNK = 64 << 20
 MEM_ROOT = "mpckpt_mem"  # the root whose only checkpoint is kept in memory
-SUBJECTS = ["floor", "restart_floor", "torch_load", "dcp_load", "mpckpt_read_only", "mpckpt_writer", "segment_copy", "mpckpt_memory"]
+SUBJECTS = ["floor", "restart_floor", "torch_load", "dcp_load", "mpckpt_read_only", "mpckpt_writer", "segment_copy",
+            "mpckpt_memory"]
 MEMORY_SUBJECTS = {"segment_copy", "mpckpt_memory"}  # need the snapshot kept in /dev/shm
 LABELS = {"floor": "readinto floor (2 threads, no hash)",
-          "restart_floor": "restart floor (readinto the trainer's memory, 2 threads, no hash)", "torch_load": "torch.load + load_state_dict",
+          "restart_floor": "restart floor (readinto the trainer's memory, 2 threads, no hash)",
+          "torch_load": "torch.load + load_state_dict",
           "dcp_load": "DCP load + set_state_dict", "mpckpt_read_only": "mpckpt read-only: open + restore",
           "mpckpt_writer": "mpckpt writer: open + restore (+ prepare)",
           "segment_copy": "segment copy floor (kept in /dev/shm, 2 threads, no hash)",
           "mpckpt_memory": "mpckpt writer from memory: open + restore (+ prepare)"}
 COLUMNS = [("what", "what", 0), ("median_s", "to a usable model s", 3), ("x_floor", "x floor", 1),
            ("x_restart", "x restart floor", 1), ("x_segment", "x segment copy", 1),
-           ("import_s", "import s", 3), ("open_s", "open s", 3), ("restore_s", "restore s", 3), ("close_s", "close s", 3),
+           ("import_s", "import s", 3), ("open_s", "open s", 3), ("restore_s", "restore s", 3),
+           ("close_s", "close s", 3),
            ("build_s", "build model s", 2), ("runs_s", "runs s", 0)]
 
 
@@ -180,38 +184,41 @@ def child(subject: str, folder: str, gib: float, moments: str) -> None:
     h.emit_result(out)
 
 
-def _floor(root: str) -> dict[str, Any]:
-    import ctypes
-
-    import torch
-
+def _shards(root: str) -> tuple[list[str], int]:
+    """The shard files of the newest checkpoint in ``root``, and their total size."""
     folder = os.path.join(root, sorted(n for n in os.listdir(root) if n.startswith("step_"))[-1])
     paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
-    total = sum(os.path.getsize(p) for p in paths)
+    return paths, sum(os.path.getsize(p) for p in paths)
+
+
+def _bytes_of(t: Any) -> memoryview:
+    """A writable byte view of tensor ``t``'s memory."""
+    import ctypes
+
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def _floor(root: str) -> dict[str, Any]:
+    import torch
+
+    paths, total = _shards(root)
     buffer = torch.ones(total, dtype=torch.uint8)  # touched, as live tensors are
-    view = memoryview((ctypes.c_char * total).from_address(buffer.data_ptr())).cast("B")
-    seconds = h.read_files_into(paths, view, threads=2, chunk=CHUNK)
+    seconds = h.read_files_into(paths, _bytes_of(buffer), threads=2, chunk=CHUNK)
     return {"restore_s": seconds, "total_s": seconds, "bytes": total}
 
 
 def _restart_floor(root: str, model: Any, optimizer: Any) -> dict[str, Any]:
     """The floor's reads into what a restarted trainer holds: touched memory the size of the tensors
     that exist (the model's; the moments too once stepped), new memory for the rest."""
-    import ctypes
-
     import torch
 
-    folder = os.path.join(root, sorted(n for n in os.listdir(root) if n.startswith("step_"))[-1])
-    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
-    total = sum(os.path.getsize(p) for p in paths)
+    paths, total = _shards(root)
     existing = sum(p.nbytes for p in model.parameters())
     existing += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     touched = torch.ones(min(existing, total), dtype=torch.uint8)
     started = time.perf_counter()
     fresh = torch.empty(total - touched.numel(), dtype=torch.uint8)  # pages come with the first write
-    views = [memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
-             for t in (touched, fresh) if t.numel()]
-    h.read_files_into(paths, views, threads=2, chunk=CHUNK)
+    h.read_files_into(paths, [_bytes_of(t) for t in (touched, fresh) if t.numel()], threads=2, chunk=CHUNK)
     seconds = time.perf_counter() - started
     return {"restore_s": seconds, "total_s": seconds, "bytes": total, "fresh_bytes": fresh.numel()}
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
 from mpckpt._stage.shm import SHM_DIR
 from mpckpt.errors import CorruptCheckpointError
+from mpckpt.storage._localfs import pread_into
 
 log = logging.getLogger("mpckpt")
 
@@ -104,13 +105,10 @@ class Found:
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[start, start + len(out))`` of the data (in the record's bounds)."""
         view = out.cast("B")
-        pos = 0
-        while pos < len(view):
-            n = os.preadv(self._fd, [view[pos:pos + _READ_PIECE]], start + pos)  # releases the GIL
-            if n == 0:
-                raise CorruptCheckpointError(f"{_path(self.record.data)} ends at {start + pos}, before the "
-                                             f"{start + len(view)} bytes the record says it holds (truncated)")
-            pos += n
+        got = pread_into(self._fd, view, start)  # (the GIL released)
+        if got < len(view):
+            raise CorruptCheckpointError(f"{_path(self.record.data)} ends at {start + got}, before the "
+                                         f"{start + len(view)} bytes the record says it holds (truncated)")
 
     @property
     def data(self) -> mmap.mmap:
@@ -132,9 +130,6 @@ class Found:
                     self._map.close()
                 except BufferError:
                     pass  # a view of it is still alive; the mapping goes with it
-
-
-_READ_PIECE = 64 << 20  # most bytes one preadv call copies
 
 
 def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Found | None:

@@ -87,6 +87,18 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     return pos
 
 
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` with the bytes at ``offset`` (in chunks below the per-call cap); return how many
+    were read: fewer than ``len(view)`` only where the file ends first."""
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:pos + WRITE_CHUNK]], offset + pos)  # (releases the GIL)
+        if n == 0:
+            break
+        pos += n
+    return pos
+
+
 def read_all(fd: int, size: int, max_bytes: int | None, path: str) -> bytes:
     """The file to its end (one read if ``size`` is right); never more than ``max_bytes``."""
     parts: list[bytes] = []

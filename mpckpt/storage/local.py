@@ -46,11 +46,11 @@ from mpckpt.storage._localfs import (
     DIR_FLAGS,
     NO_LINKS,
     ROOT_FLAGS,
-    WRITE_CHUNK,
     FlockLock,
     create_file,
     kind,
     lstat,
+    pread_into,
     pwrite_all,
     read_all,
     refused,
@@ -332,15 +332,12 @@ class LocalBackend(RootWalk):
         fd, _st = self._open_file(relpath)
         try:
             view = out.cast("B")
-            pos = 0
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos:pos + WRITE_CHUNK]], offset + pos)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{path} is truncated: wanted bytes up to {offset + len(view)}, file ends at {offset + pos}",
-                        path=path,
-                    )
-                pos += n
+            got = pread_into(fd, view, offset)
+            if got < len(view):
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: wanted bytes up to {offset + len(view)}, file ends at {offset + got}",
+                    path=path,
+                )
         except OSError as e:
             raise storage_error(e, f"cannot read {path}") from e
         finally:
