@@ -18,6 +18,7 @@ from typing import Any
 
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._futures import CheckpointerStats
+from mpckpt._read.dcp_folder import is_dcp_folder, load_dcp_folder
 from mpckpt._read.load import load_checkpoint, load_state
 from mpckpt._read.restore import read_newest
 from mpckpt.catalog import Catalog, scan
@@ -127,6 +128,10 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
     ``root`` may also be the path or URL of one checkpoint's folder (``runs/exp1/step_0000000042``,
     what Ray Train's ``Result.checkpoint.path`` holds): that checkpoint is loaded.
 
+    ``root`` may also be a plain torch.distributed.checkpoint folder (``dcp.save(sd,
+    checkpoint_id=...)``): its state with every tensor whole, read without running code from
+    storage (``_read.dcp_folder``; ``allow_pickle`` as for values).
+
     Needs no model or optimizer objects and never writes. Every file is verified. A reader
     may run beside a live writer whose retention deletes old checkpoints: a checkpoint deleted
     while it is read, or between listing and reading its manifest, is not damage; the newest
@@ -140,6 +145,11 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
             raise CheckpointNotFoundError(f"{root} is the checkpoint of step {folder_step}, not of step {step}")
         return _newest(parent, folder_step, allow_pickle=allow_pickle, classes=classes)
     backend = open_backend(spec_for_url(root, options))
+    if is_dcp_folder(backend):  # a plain torch.distributed.checkpoint folder: one state, no steps
+        if step is not None:
+            raise CheckpointNotFoundError(f"{root} is a torch.distributed.checkpoint folder (one state, no steps); "
+                                          f"load it without step={step}")
+        return load_dcp_folder(backend, allow_pickle=allow_pickle)
     return _newest(backend, step, allow_pickle=allow_pickle, classes=classes)
 
 

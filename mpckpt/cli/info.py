@@ -5,7 +5,9 @@ For a state (one saved by the ranks of a job: as one, every DTensor at its globa
 with every rank's shard files): every tensor under its dotted state path (``model.0.weight``, the key ``export``
 writes it under) with dtype, shape, bytes and the shard file(s) holding it, tensors that
 share storage (tied weights) marked; then every other value (``path = value``, shortened;
-a pickled value is named, never unpickled). For a directory checkpoint: its files.
+a pickled value is named, never unpickled). For a directory checkpoint: its files. ROOT may
+also be a plain torch.distributed.checkpoint folder (no STEP): its tensors and the keys of its
+other values, from its metadata (read without running code from storage).
 
 Only the manifest and the skeleton are read (the skeleton's checksum is checked); the shards
 are not: ``mpckpt verify`` reads every byte. A damaged step or a skeleton that does not parse
@@ -26,6 +28,7 @@ from typing import Any
 
 from mpckpt._read.skeleton import read_rank_skeletons, read_skeleton
 from mpckpt._read.sources import StorageSource
+from mpckpt.cli import _dcp
 from mpckpt.cli._common import (
     backend_for,
     chosen_step,
@@ -38,6 +41,7 @@ from mpckpt.cli._common import (
     total_bytes,
 )
 from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.dcp_metadata import is_dcp_folder
 from mpckpt.format.manifest import SKELETON_NAME, Manifest, checkpoint_name
 
 # what a damaged or forged skeleton can make its interpretation raise
@@ -63,6 +67,8 @@ class ValueInfo:
 
 def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root, args.storage_options)
+    if is_dcp_folder(backend):  # a plain torch.distributed.checkpoint folder: _dcp describes it
+        return _dcp.info(backend, args)
     manifest = chosen_step(backend, args.step)
     name = checkpoint_name(manifest.step)
     tensors: list[TensorInfo] = []

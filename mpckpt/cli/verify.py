@@ -3,6 +3,8 @@
 Every file's size and checksum, the skeleton and every shard header are checked, without
 building tensors. One line per step; the status is 1 when any step is damaged, missing or
 does not verify, and when the folder holds no checkpoint (nothing checked proves nothing).
+ROOT may also be a plain torch.distributed.checkpoint folder (no --step): every item is read
+and checked against its metadata (DCP stores no checksums).
 
 This module owns the report; the checks are ``_read.load.verify_checkpoint``'s.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 
+from mpckpt.cli import _dcp
 from mpckpt.cli._common import backend_for, complain, say, scan_root
 from mpckpt.errors import MpckptError
+from mpckpt.format.dcp_metadata import is_dcp_folder
 from mpckpt.format.manifest import checkpoint_name
 
 
@@ -20,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from mpckpt._read.load import verify_checkpoint  # torch: only this command needs it
 
     backend = backend_for(args.root, args.storage_options)
+    if is_dcp_folder(backend):  # a plain torch.distributed.checkpoint folder: _dcp checks it
+        return _dcp.verify(backend, args)
     committed, problems = scan_root(backend)
     steps = [args.step] if args.step is not None else sorted({*committed, *problems})
     if not steps:  # nothing checked is no proof that anything loads (scan_root said where roots are)
