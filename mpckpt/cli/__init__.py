@@ -6,14 +6,21 @@
     mpckpt info ROOT [STEP|latest]
                                 one checkpoint (the newest without a step): its tensors by
                                 dotted state path (dtype, shape, bytes, shard), its other
-                                values, or a directory's files
+                                values, or a directory's files; ROOT may be a plain
+                                torch.distributed.checkpoint folder (no STEP)
     mpckpt verify ROOT [--step STEP]
                                 check that checkpoints would load: every file's size and
-                                checksum, the skeleton and every shard header
+                                checksum, the skeleton and every shard header; of a plain
+                                torch.distributed.checkpoint folder, every item (DCP
+                                stores no checksums)
     mpckpt export ROOT [STEP|latest] --to FILE.safetensors|FILE.pt [--prefix model.]
                                 the state's tensors by dotted path in one safetensors file, or
                                 the nested state torch.save'd (the newest without a step);
                                 never replaces a file unless --force
+    mpckpt export ROOT [STEP|latest] --to DIR --format dcp
+                                the state as a torch.distributed.checkpoint folder that
+                                dcp.load(state_dict, checkpoint_id=DIR) reads, unsharded or
+                                sharded; DIR must be new or empty
     mpckpt stats ROOT [--plot FILE.png]
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
@@ -22,6 +29,10 @@
                                 folders and shared files no checkpoint uses under each ROOT
                                 (takes the writer lock, so it refuses while a live trainer
                                 writes there); never removes a folder that has a manifest
+    mpckpt import-dcp FOLDER ROOT --step N
+                                a plain torch.distributed.checkpoint folder (dcp.save's
+                                .metadata and .distcp files) committed as step N of ROOT,
+                                with checksums; its metadata is read without running code
     mpckpt rm ROOT STEP [STEP ...] [--damaged]
                                 delete checkpoints (the newest too; damaged ones only with
                                 --damaged), then the shared files no checkpoint uses any more;
@@ -66,7 +77,7 @@ import re
 import textwrap
 from types import ModuleType
 
-from mpckpt.cli import export, gc, info, ls, rm, stats, verify
+from mpckpt.cli import export, gc, import_dcp, info, ls, rm, stats, verify
 from mpckpt.cli._common import exit_status, route_library_log
 
 __all__ = ["main"]
@@ -82,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(module: ModuleType, help: str) -> argparse.ArgumentParser:
-        name = module.__name__.rpartition(".")[2]
+        name = module.__name__.rpartition(".")[2].replace("_", "-")  # import_dcp: mpckpt import-dcp
         p = sub.add_parser(name, help=help, description=_help_text(module.__doc__ or ""), formatter_class=_Formatter)
         p.set_defaults(fn=module.run)
         return p
@@ -100,13 +111,23 @@ def _parser() -> argparse.ArgumentParser:
     p = command(export, "write one checkpoint's state to a .safetensors or .pt file")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
-    p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt")
+    p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt; "
+                   "with --format dcp, a new or empty folder")
+    p.add_argument("--format", choices=["dcp"], help="dcp: a torch.distributed.checkpoint folder that dcp.load reads "
+                   "(default: from the suffix of --to)")
     p.add_argument("--prefix", metavar="PATH", help="export only this part of the state (e.g. model.), "
                    "the prefix stripped from every name")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p.add_argument("--copy-tied", action="store_true", help="write every name of a tied tensor with its own "
                    "copy (default: keep the first, list the others in the metadata, as safetensors does)")
     p.add_argument("--allow-pickle", action="store_true", help="load pickled values (runs code from storage)")
+    p = command(import_dcp, "bring a torch.distributed.checkpoint folder in as a committed step")
+    p.add_argument("folder", metavar="FOLDER", help="a folder dcp.save(state_dict, checkpoint_id=FOLDER) wrote")
+    p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
+    p.add_argument("--step", type=_step, required=True, help="the step to commit it as (not in ROOT yet, and after "
+                   "its newest)")
+    p.add_argument("--allow-pickle", action="store_true", help="unpickle what the restricted readers refuse "
+                   "(runs code from FOLDER)")
     p = command(stats, "what each save cost: blocked ms, persist ms, bytes, MB/s")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")

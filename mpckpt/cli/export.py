@@ -5,7 +5,9 @@ The state is loaded as ``mpckpt.load`` would (every file verified) and written t
 file: ``.safetensors`` gets its tensors under their dotted state paths (``model.0.weight``);
 ``.pt`` (or ``.pth``) gets the plain nested state, ``torch.save``'d. ``--prefix model.``
 exports only that part of the state, the prefix stripped from every name, so a model's
-weights go straight to ``load_state_dict`` or ``from_pretrained``.
+weights go straight to ``load_state_dict`` or ``from_pretrained``. ``--format dcp`` writes
+the state as a torch.distributed.checkpoint folder instead (``--to DIR``, new or empty) that
+``dcp.load(state_dict, checkpoint_id=DIR)`` reads into an unsharded or sharded state.
 
 Tensors that share storage (tied weights) are written the way ``safetensors.torch.save_model``
 and transformers write them: of names that are the same tensor, the first in state order is
@@ -54,6 +56,10 @@ _SAFETENSORS_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "in
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "format", None) == "dcp":  # a folder DCP reads: _export_dcp writes it
+        from mpckpt.cli import _export_dcp
+
+        return _export_dcp.run(args)
     target = Path(args.to)
     kind = _SUFFIXES.get(target.suffix.lower())
     if kind is None:
