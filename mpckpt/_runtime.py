@@ -314,11 +314,11 @@ class Runtime(ReadsCommitted):
 
     # -- saving (the Checkpointer has checked the arguments; ``started``: when its caller called) --
     def save(self, step: int, state: Any, metrics: dict[str, Any], *, mode: UploadMode, overlap: bool | None,
-             force: bool, started: float) -> SaveFuture | None:
-        """Snapshot ``state`` as checkpoint ``step`` if due (see ``Checkpointer.save``)."""
+             force: bool, started: float, agreed: bool = False) -> SaveFuture | None:
+        """Snapshot ``state`` as ``step`` if due (``Checkpointer.save``; ``agreed``: the ranks did, no collective)."""
         now = time.monotonic()
         preempted, due = self.preemption.preempted, force or self.schedule.due(step, now)
-        if self.group is not None and (self.schedule.timed or self.preemption.signals):
+        if self.group is not None and not agreed and (self.schedule.timed or self.preemption.signals):
             # the clock and signals differ per rank: one small collective makes every rank agree
             flags = self.group.all_gather((due, preempted))
             due, preempted = flags[0][0], any(p for _, p in flags)

@@ -5,6 +5,9 @@ A save stores each rank's local shard with where it sits in the global tensor
 covers on this rank, then builds a DTensor like the live one around it (``as_dtensor``).
 Only ``Shard`` and ``Replicate`` placements are stored; of the ranks that hold the same shard
 (a replicated mesh dimension), the first one writes it.
+
+``PlacedShard`` is the same thing without a DTensor: a plain tensor its caller placed in a
+global tensor and said whether this rank writes (``integrations.dcp``: DCP's planner decided).
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ class ShardInfo:
     mesh: Any
     placements: tuple[Any, ...]
     global_stride: tuple[int, ...]
+
+
+class PlacedShard:
+    """A plain tensor stored like a DTensor's local shard: the box at ``offset`` of a global
+    tensor of ``global_shape``, written by this rank when ``writes`` (the caller decided who
+    writes what, so a multi-rank save of placed shards needs no plan of its own)."""
+
+    __slots__ = ("info", "local")
+
+    def __init__(self, local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...],
+                 writes: bool) -> None:
+        if len(global_shape) != local.dim() or len(offset) != local.dim() or any(
+                o < 0 or o + n > g for o, n, g in zip(offset, local.shape, global_shape, strict=True)):
+            raise StateError(f"a shard of shape {list(local.shape)} at {list(offset)} does not fit a tensor of shape "
+                             f"{list(global_shape)}")
+        self.local = local
+        stride = [1] * len(global_shape)
+        for d in range(len(global_shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * max(global_shape[d + 1], 1)
+        self.info = ShardInfo(tuple(global_shape), tuple(offset), writes, None, (), tuple(stride))
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -48,6 +48,8 @@ class Planner:
         self._plans: dict[Any, RankPlan] = {}
 
     def plan(self, flat: FlatState) -> RankPlan:
+        if flat.dist is not None and flat.dist.placed:  # the caller placed every tensor (DCP's planner did)
+            return RankPlan(frozenset(i for i, s in flat.dist.shards.items() if not s.writes), {})
         plan = self._plans.get(flat.key)
         if plan is None:
             plan = self._agree(flat)

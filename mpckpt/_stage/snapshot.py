@@ -41,7 +41,7 @@ import torch
 from mpckpt import _dtypes
 from mpckpt._codec import values as _values
 from mpckpt._codec.values import TAG, path_of
-from mpckpt._dist.dtensor import ShardInfo, is_dtensor, shard_info
+from mpckpt._dist.dtensor import PlacedShard, ShardInfo, is_dtensor, shard_info
 from mpckpt.errors import StateError
 from mpckpt.per_rank import PerRank
 
@@ -75,6 +75,7 @@ class DistInfo:
 
     kinds: tuple[str, ...]
     shards: dict[int, ShardInfo]
+    placed: bool = False  # sharded leaves are ``PlacedShard``s, none replicated: the caller decided who writes
 
 
 @dataclass
@@ -123,6 +124,8 @@ class _Flattener:
             return self.tensor(value, path)
         if type(value) is PerRank:
             return self.per_rank(value, path)
+        if type(value) is PlacedShard:
+            return self.placed(value, path)
         if type(value) not in _values.PLAIN:  # first: IntEnum, numpy.float64, OrderedDict keep their type
             node = _values.encode(self, value, path)
             if node is not NotImplemented:
@@ -224,6 +227,20 @@ class _Flattener:
             if self.per_rank_depth:
                 self.local_rows.add(row)
         return {TAG: "tensor", "id": row}
+
+    def placed(self, shard: PlacedShard, path: str) -> dict[str, Any]:
+        """A shard its caller placed (``PlacedShard``): stored as a DTensor's local shard is."""
+        where = path or "<root>"
+        if not self.distributed:
+            raise StateError(f"state key {where!r} is a placed shard, which only a multi-rank save stores", key=path)
+        row = len(self.rows)
+        node = self.tensor(shard.local, path)
+        if node["id"] != row:
+            raise StateError(f"state key {where!r}: the tensor of a placed shard appears elsewhere in the state too",
+                             key=path)
+        self.dtensors[row] = shard
+        self.dmeta.append((row, shard.info.global_shape, shard.info.offset, shard.info.writes))
+        return node
 
     def per_rank(self, value: PerRank, path: str) -> dict[str, Any]:
         number = self.per_rank_count
@@ -468,6 +485,7 @@ def _dist_info(f: _Flattener, tab: _Tabulator) -> DistInfo:
         if row in f.local_rows:
             raise StateError(f"state key {path!r} is a DTensor under a PerRank; a DTensor is already stored per "
                              "shard: take it out of the PerRank", key=f.paths[row])
-        shards[i] = shard_info(dt, path)
+        shards[i] = dt.info if type(dt) is PlacedShard else shard_info(dt, path)
         kinds.append("sharded")
-    return DistInfo(tuple(kinds), shards)
+    placed = any(type(dt) is PlacedShard for dt in f.dtensors.values()) and "replicated" not in kinds
+    return DistInfo(tuple(kinds), shards, placed)
