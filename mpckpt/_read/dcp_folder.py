@@ -39,6 +39,7 @@ from mpckpt.storage import Backend
 
 _MAX_METADATA_BYTES = 4 << 30  # far above any real model's; memory stays bounded whatever is stored
 _MAX_PAIRWISE_CHUNKS = 4096    # above this many chunks of one tensor, overlaps are not checked pair by pair
+_ZIP_MAGIC = b"PK\x03\x04"      # how every item torch.save writes begins
 
 __all__ = ["DcpFolder", "is_dcp_folder", "load_dcp_folder"]
 
@@ -177,9 +178,13 @@ class DcpFolder:
         return value
 
     def _unpickle(self, buf: bytearray, entry: Entry, item: Item, where: str) -> Any:
+        if buf[:4] != _ZIP_MAGIC:  # torch.save's archive; anything else is damage, never a legacy pickle to try
+            raise self._undecodable(item, where, "not a torch.save archive")
         try:
             return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
+            if "Unsupported" not in str(e):  # not a refused global or opcode: damaged bytes
+                raise self._undecodable(item, where, f"{type(e).__name__}: {_first_line(e)}") from e
             if entry.dtype is None and self.allow_pickle:
                 return self._unpickle_trusted(buf, item, where)
             raise StateError(
@@ -188,10 +193,13 @@ class DcpFolder:
                 "folder, pass allow_pickle=True (mpckpt.load) or --allow-pickle (mpckpt import-dcp); "
                 f"torch said: {_first_line(e)}", key=item.key) from e
         except Exception as e:  # a damaged zip, a short item: whatever torch.load raises on bad bytes
-            raise CorruptCheckpointError(
-                f"{where}: the item of {item.key!r} at byte {item.start} ({item.length} bytes) does not decode "
-                f"({type(e).__name__}: {_first_line(e)}); DCP stores no checksums, so the file was changed or "
-                "damaged after it was written", path=where) from e
+            raise self._undecodable(item, where, f"{type(e).__name__}: {_first_line(e)}") from e
+
+    def _undecodable(self, item: Item, where: str, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{where}: the item of {item.key!r} at byte {item.start} ({item.length} bytes) does not decode ({why}); "
+            "DCP stores no checksums, so the file was changed or damaged after it was written: copy the folder "
+            "again from where it was written", path=where)
 
     def _unpickle_trusted(self, buf: bytearray, item: Item, where: str) -> Any:
         try:

@@ -1,8 +1,8 @@
 """``mpckpt export ROOT [STEP|latest] --to DIR --format dcp``: one checkpoint as a plain
 torch.distributed.checkpoint (DCP) folder.
 
-The state is loaded as ``mpckpt.load`` loads it (every file verified; a checkpoint saved by
-the ranks of a job is joined, every DTensor whole) and written by DCP's own
+``export`` loads the state as ``mpckpt.load`` loads it (every file verified; a checkpoint saved
+by the ranks of a job is joined, every DTensor whole) and this module writes it by DCP's own
 ``FileSystemWriter`` (``.metadata`` and one ``.distcp`` file, each tensor one chunk), so that
 ``dcp.load(state_dict, checkpoint_id=DIR)`` reads it into a live state, unsharded or sharded
 (DCP's planner reads each rank's part of the whole tensors), and DCP's converters
@@ -17,52 +17,18 @@ beside it, then renamed into place. An existing DIR that is not an empty folder 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-from mpckpt.cli._common import BadArguments, backend_for, chosen_step, say, size_text
-from mpckpt.errors import MpckptError, StateError
-from mpckpt.format.manifest import checkpoint_name
+from mpckpt.cli._common import BadArguments, say, size_text, state_items
+from mpckpt.errors import MpckptError
 
 
-def run(args: argparse.Namespace) -> int:
-    from mpckpt._read.load import load_checkpoint
-    from mpckpt.cli.export import subtree, tensors_by_name
-
-    target = Path(args.to)
-    _check_target(target)
-    backend = backend_for(args.root, args.storage_options)
-    manifest = chosen_step(backend, args.step)
-    step = manifest.step
-    if manifest.kind != "state":
-        raise BadArguments(f"step {step} is a directory checkpoint (files written by you, not a state); "
-                           "read them with Checkpointer(root, read_only=True).checkpoint(step).as_directory()")
-    try:
-        state = load_checkpoint(backend, checkpoint_name(step), manifest, allow_pickle=args.allow_pickle)
-    except StateError as e:  # a pickled value refused, a class this machine lacks: not damage
-        hint = " (mpckpt export --allow-pickle)" if "pickle" in str(e) else ""
-        raise BadArguments(f"step {step}: {e}{hint}") from e
-    state = subtree(state, args.prefix or "", step=step)
-    if not isinstance(state, dict):
-        raise BadArguments(f"step {step}{_part(args.prefix)} is a {type(state).__name__}; a DCP folder holds a dict "
-                           "(give a --prefix that names one)")
-    tensors, _values = tensors_by_name(state)
-    _write(target, state)
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    say(f"wrote {target}: step {step}{_part(args.prefix)} as a DCP folder, {len(tensors)} tensors ({size_text(size)}); "
-        f"dcp.load(state_dict, checkpoint_id={str(target)!r}) reads it")
-    return 0
-
-
-def _part(prefix: str | None) -> str:
-    return f" under {prefix!r}" if prefix else ""
-
-
-def _check_target(target: Path) -> None:
+def check_target(target: Path) -> None:
+    """``BadArguments`` unless ``target`` is a new or empty folder in a folder that exists."""
     if target.is_dir():
         if any(target.iterdir()):
             raise BadArguments(f"--to {target} is a folder that is not empty; a DCP folder is never written into "
@@ -71,6 +37,20 @@ def _check_target(target: Path) -> None:
         raise BadArguments(f"--to {target} exists and is not a folder; name a new or empty folder")
     if not target.absolute().parent.is_dir():
         raise BadArguments(f"--to {target}: the folder {target.absolute().parent} does not exist")
+
+
+def write(target: Path, state: Any, *, what: str) -> None:
+    """``state`` (``what``: the step and part, for messages) as a DCP folder at ``target``."""
+    import torch
+
+    if not isinstance(state, dict):
+        raise BadArguments(f"{what} is a {type(state).__name__}; a DCP folder holds a dict (give a --prefix that "
+                           "names one)")
+    tensors = [v for _, v in state_items(state) if isinstance(v, torch.Tensor)]
+    _write(target, state)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    say(f"wrote {target}: {what} as a DCP folder, {len(tensors)} tensors ({size_text(size)}); "
+        f"dcp.load(state_dict, checkpoint_id={str(target)!r}) reads it")
 
 
 def _write(target: Path, state: dict[str, Any]) -> None:

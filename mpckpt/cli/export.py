@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mpckpt.cli import _export_dcp
 from mpckpt.cli._common import (
     BadArguments,
     backend_for,
@@ -56,16 +57,15 @@ _SAFETENSORS_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "in
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "format", None) == "dcp":  # a folder DCP reads: _export_dcp writes it
-        from mpckpt.cli import _export_dcp
-
-        return _export_dcp.run(args)
     target = Path(args.to)
-    kind = _SUFFIXES.get(target.suffix.lower())
+    kind = "dcp" if getattr(args, "format", None) == "dcp" else _SUFFIXES.get(target.suffix.lower())
     if kind is None:
         raise BadArguments(f"--to {args.to}: name a .safetensors file (tensors by dotted path) or a .pt file "
-                           "(the nested state, torch.save'd)")
-    _check_target(target, force=args.force)
+                           "(the nested state, torch.save'd), or pass --format dcp and a folder")
+    if kind == "dcp":  # a folder DCP reads: _export_dcp checks the target and writes it
+        _export_dcp.check_target(target)
+    else:
+        _check_target(target, force=args.force)
     backend = backend_for(args.root, args.storage_options)
     manifest = chosen_step(backend, args.step)
     step = manifest.step
@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         hint = " (mpckpt export --allow-pickle)" if "pickle" in str(e) else ""
         raise BadArguments(f"step {step}: {e}{hint}") from e
     state = subtree(state, args.prefix or "", step=step)
+    if kind == "dcp":
+        _export_dcp.write(target, state, what=f"step {step}{_part(args.prefix)}")
+        return 0
     if kind == "pt":
         _write(target, lambda path: _torch_save(state, path), force=args.force)
         say(f"wrote {target}: step {step}{_part(args.prefix)} as the nested state (torch.save)")
