@@ -6,7 +6,8 @@ come from storage options, each keyed by a regular expression searched in the wr
 seconds, ``fail`` to an error message (an OSError is raised), ``fail_once`` fails only the
 first attempt (a marker file under ``marker_dir`` remembers), ``kill_worker`` (a list) makes
 the uploader process SIGKILL itself while writing a matching path, once;
-``writable_only_in_pid`` refuses writes (at ``check_writable``) in every other process, as
+``slow_file`` names a file whose content is a number of seconds added to every file written
+while it exists (a slow disk that a test turns on and off); ``writable_only_in_pid`` refuses writes (at ``check_writable``) in every other process, as
 storage that the training process may write to but its uploaders may not.
 """
 
@@ -48,6 +49,12 @@ class ControlledLocal(LocalBackend):
         return True
 
     def _apply_rules(self, relpath: str) -> None:
+        if (slow := self.options.get("slow_file")) is not None:
+            try:
+                with open(slow) as f:
+                    time.sleep(min(60.0, float(f.read() or 0)))
+            except (OSError, ValueError):
+                pass  # no file (the disk is fast again), or a half-written one
         for pattern, seconds in self.options.get("delay", {}).items():
             if re.search(pattern, relpath):
                 time.sleep(seconds)

@@ -12,7 +12,8 @@ rules picks, for every request, one of:
 * ``http_503``  answer ``503 Service Unavailable`` (``Content-Length: 0``, ``Connection: close``)
   without forwarding;
 * ``truncate``  forward the request, relay only the first ``truncate_bytes`` bytes of the
-  response, then close.
+  response, then close;
+* ``delay``     wait ``delay_s`` seconds, then forward as ``pass`` does (a slow link or server).
 
 Rules are consulted in the order they were added; the first that fires decides. A rule fires
 for the next ``times`` matching requests, with probability ``probability`` (a seeded RNG), or
@@ -37,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("pass", "reset", "stall", "http_503", "truncate")
+KINDS = ("pass", "reset", "stall", "http_503", "truncate", "delay")
 _HEAD_LIMIT = 64 << 10
 _IO_TIMEOUT_S = 30.0  # no socket of the proxy ever waits longer than this for one read
 _RESPONSE_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
@@ -209,8 +210,9 @@ class FaultProxy:
     """A fault-injecting TCP/HTTP proxy from ``127.0.0.1:port`` to ``target_host:target_port``."""
 
     def __init__(self, target_port: int, *, target_host: str = "127.0.0.1", seed: int = 0,
-                 stall_s: float = 10.0, truncate_bytes: int = 12) -> None:
+                 stall_s: float = 10.0, truncate_bytes: int = 12, delay_s: float = 0.5) -> None:
         self.target_host = target_host
+        self.delay_s = delay_s
         self.target_port = target_port
         self.stall_s = stall_s
         self.truncate_bytes = truncate_bytes
@@ -343,6 +345,9 @@ class FaultProxy:
                 method, path, headers = _parse_head(head)
                 kind = self._decide(first, method, path)
                 first = False
+                if kind == "delay":
+                    self._drain_wait(self.delay_s)
+                    kind = "pass"
                 expects_continue = headers.get("expect", "").lower() == "100-continue"
                 if kind in ("pass", "truncate"):
                     if upstream is None:
@@ -376,6 +381,12 @@ class FaultProxy:
                 self._socks.discard(client)
                 if upstream is not None:
                     self._socks.discard(upstream.sock)
+
+    def _drain_wait(self, seconds: float) -> None:
+        """Wait ``seconds`` (or until stop() / release_stalls())."""
+        deadline = time.monotonic() + seconds
+        while not (self._stopping.is_set() or self._release.is_set()) and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _drain(self, sock: socket.socket, seconds: float) -> None:
         """Read and discard what the client sends for ``seconds`` (or until it closes / stop())."""

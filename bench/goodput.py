@@ -1,0 +1,413 @@
+"""Goodput under failures: a chaos run of a multi-rank training job, what each failure costs, nothing lost.
+
+A 2-node x 1-rank FSDP2 job (gloo, CPU, ``bench/goodput_worker.py``) trains on simulated nodes
+(``tests/nodes.py``: each node its own hostname and ``/dev/shm``) for ``--duration`` seconds under a
+seeded failure schedule (``bench/goodput_faults.py``), relaunched after every failure that ends it
+(torchrun on every node, the same rendezvous endpoint, a fresh node in place of a lost one). Storage
+is S3 (moto) behind the fault proxy (``tests/faults/proxy.py``: outages and latency), or, with
+``--storage disk``, a small tmpfs root through the ``ctl://`` backend (a full disk, a slow disk).
+
+Per failure: what failed, steps lost (the last step trained before it against the step restored
+after it), the time from the failure to the first training step after it, where each rank's restore
+came from (``ckpt.last_restore.source``). Per run: goodput (the uninterrupted run's wall time to the
+same step over this run's: 1.0 is a run that lost nothing, checkpoints cost nothing), checkpoints
+committed, lost (committed, then unreadable or passed over by a restore: must be 0), wrong (a
+restored state or a stored checkpoint that differs from what the uninterrupted run had at that step:
+must be 0), hangs (no step and no exit within ``--hang-s``: must be 0), and whether the final state
+(weights and AdamW's state, every rank) equals the uninterrupted run's bit for bit. Training is
+deterministic (data seeded per step and rank), so the uninterrupted run (``none``: no checkpoints, run
+after the others to the furthest step any reached) gives every step's expected hash.
+
+    .venv/bin/python bench/goodput.py --duration 180 --seed 1                        # as root
+    .venv/bin/python bench/goodput.py --duration 180 --seed 1 --storage disk
+    .venv/bin/python bench/goodput.py --duration 60 --strategies peer --kinds rank_kill,preempt
+
+Writes ``--json`` (default ``bench/results/goodput-<storage>.json``) and, with ``--plots PREFIX``,
+``PREFIX-timeline.png`` and ``PREFIX-recovery.png`` (``bench/goodput_plot.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_DIR)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import goodput_faults as gf  # noqa: E402
+
+WORKER = Path(__file__).with_name("goodput_worker.py")
+STRATEGIES = ("storage", "memory", "peer", "dcp")
+NODES = 2
+
+
+class Tail:
+    """New complete lines of the ranks' event files, as they come."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.offsets, self.events = out, {}, []
+
+    def read(self) -> list[dict[str, Any]]:
+        new = []
+        for rank in range(NODES):
+            path = self.out / f"events-r{rank}.jsonl"
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(rank, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offsets[rank] = self.offsets.get(rank, 0) + end
+            for line in data[:end].splitlines():
+                new.append({**json.loads(line), "rank": rank})
+        self.events += new
+        return new
+
+
+class Hang(Exception):
+    pass
+
+
+class Chaos:
+    """One strategy's run: launches, the failures, the events."""
+
+    def __init__(self, args: argparse.Namespace, strategy: str, work: Path, root: str, env: dict[str, str],
+                 proxy: Any, disk: gf.Disk | None) -> None:
+        from tests.servers import free_port
+
+        self.args, self.strategy, self.root, self.env, self.proxy, self.disk = args, strategy, root, env, proxy, disk
+        self.out, self.logs = work / "out", work / "logs"
+        self.out.mkdir(parents=True)
+        self.tail, self.port, self.launch_no, self.job = Tail(self.out), free_port(), 0, None
+        self.hangs, self.unplanned, self.launches = 0, [], []
+
+    # -- the job --------------------------------------------------------------------------------------------------
+    def launch(self, cluster: Any, max_steps: int | None = None, full_hash: bool = False) -> None:
+        self.launch_no += 1
+        argv = ["--strategy", self.strategy, "--root", self.root, "--out", str(self.out), "--every",
+                str(self.args.every), "--step-ms", str(self.args.step_ms), "--width", str(self.args.width),
+                "--launch", str(self.launch_no)]
+        if max_steps is not None:
+            argv += ["--max-steps", str(max_steps)]
+        if full_hash:
+            argv.append("--full-hash")
+        self.launches.append(time.time())
+        self.job = cluster.launch(WORKER, argv, env=self.env, log_dir=self.logs, master_port=self.port)
+
+    def ended(self) -> bool:
+        return self.job is not None and all(a.poll() is not None for a in self.job.agents)
+
+    def last(self, event: str, rank: int = 0, launch: int | None = None) -> dict[str, Any] | None:
+        launch = self.launch_no if launch is None else launch
+        for e in reversed(self.tail.events):
+            if e["event"] == event and e["rank"] == rank and self.launch_of(e) == launch:
+                return e
+        return None
+
+    def launch_of(self, event: dict[str, Any]) -> int:
+        """The launch an event belongs to (events of a rank come in order, each launch opening with 'start')."""
+        return event.setdefault("launch", self._launch_at(event))
+
+    def _launch_at(self, event: dict[str, Any]) -> int:
+        starts = [e for e in self.tail.events if e["event"] == "start" and e["rank"] == event["rank"]
+                  and e["t"] <= event["t"]]
+        return starts[-1]["launch"] if starts else 0
+
+    def last_step(self) -> int | None:
+        steps = [e["step"] for e in self.tail.events if e["event"] == "step" and e["rank"] == 0]
+        return steps[-1] if steps else None
+
+    def watch(self, until: float, cluster: Any, *, resume_after: float | None = None) -> float | None:
+        """Follow the job until ``until`` (or, with ``resume_after``, until rank 0 steps after that time: its
+        time). A job that ends unasked is relaunched (noted); no step for ``--hang-s`` is a hang."""
+        progress = time.time()
+        while True:
+            new = self.tail.read()
+            now = time.time()
+            if any(e["event"] == "step" for e in new):
+                progress = now
+            if resume_after is not None:
+                for e in new:
+                    if e["event"] == "step" and e["rank"] == 0 and e["t"] > resume_after:
+                        return e["t"]
+            elif now >= until:
+                return None
+            if self.ended():
+                codes = [a.returncode for a in self.job.agents]
+                self.unplanned.append({"t": now, "codes": codes, "logs": self.job.logs(tail=2500)})
+                if len(self.unplanned) >= 3 and all(now - u["t"] < 60 for u in self.unplanned[-3:]):
+                    raise RuntimeError(f"{self.strategy}: the job ended unasked 3 times within a minute; logs end:\n"
+                                       f"{self.unplanned[-1]['logs']}")
+                print(f"  [{self.strategy}] the job ended unasked ({codes}); relaunching", file=sys.stderr, flush=True)
+                self.job.kill()
+                self.launch(cluster)
+                progress = time.time()
+            elif now - progress > self.args.hang_s:
+                self.hangs += 1
+                self.unplanned.append({"t": now, "hang": True, "logs": self.job.logs(tail=4000)})
+                print(f"  [{self.strategy}] HANG: no step for {self.args.hang_s:.0f} s; relaunching", file=sys.stderr,
+                      flush=True)
+                for a in self.job.agents:  # the stacks of every thread into the logs (faulthandler on SIGUSR1)
+                    os.killpg(a.pid, signal.SIGUSR1) if a.poll() is None else None
+                time.sleep(1)
+                self.job.kill()
+                self.launch(cluster)
+                progress = time.time()
+            time.sleep(0.05)
+
+    # -- one failure ----------------------------------------------------------------------------------------------
+    def inject(self, f: gf.Failure, cluster: Any, rng: Any) -> None:
+        f.last_step = self.last_step()
+        f.at = time.time()
+        print(f"  [{self.strategy}] t={f.at - self.launches[0]:6.1f}s #{f.index} {f.kind} target={f.target} "
+              f"window={f.window_s}s at step {f.last_step}", file=sys.stderr, flush=True)
+        if f.kind in gf.HARD:
+            self.hard(f, cluster)
+            resumed = self.watch(0, cluster, resume_after=f.at)
+            assert resumed is not None
+            restored = [self.last("restored", r) for r in range(NODES)]
+            f.restored_step = restored[0]["step"] if restored[0] else None
+            f.sources = [r["source"] if r else None for r in restored]
+            f.steps_lost = (f.last_step if f.last_step is not None else -1) - (
+                f.restored_step if f.restored_step is not None else -1)
+            f.recovery_s = resumed - f.at
+            return
+        if f.kind == "uploader_kill":
+            path = self.out / f"uploaders-r{f.target}.json"
+            pids = json.loads(path.read_text()) if path.exists() else []
+            if not pids:
+                f.skipped = "no uploader process (this strategy has none)"
+                return
+            try:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+            except ProcessLookupError:
+                f.notes.append("the uploader had ended already")
+        elif f.kind in gf.SOFT_S3 and self.proxy is None or f.kind in gf.SOFT_DISK and self.disk is None:
+            f.skipped = "not available for this storage"
+            return
+        else:
+            gf.start_soft(f, proxy=self.proxy, disk=self.disk)
+            try:
+                self.watch(f.at + f.window_s, cluster)
+            finally:
+                gf.end_soft(f, proxy=self.proxy, disk=self.disk)
+        f.steps_lost = 0
+        f.recovery_s = None
+
+    def hard(self, f: gf.Failure, cluster: Any) -> None:
+        assert self.job is not None
+        if f.kind == "rank_kill":
+            start = self.last("start", f.target)
+            if start is not None:
+                try:
+                    os.kill(start["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    f.notes.append("the rank had ended already")
+            self.job.kill()  # torchrun without restarts stops the job; the scheduler relaunches it
+        elif f.kind == "node_loss":
+            cluster.nodes[f.target].lose()
+            self.job.kill()
+            cluster.replace(f.target)
+        elif f.kind == "preempt":
+            for r in range(NODES):
+                start = self.last("start", r)
+                if start is not None:
+                    try:
+                        os.kill(start["pid"], signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            try:
+                codes = self.job.wait(self.args.hang_s)
+                if codes != [0] * NODES:
+                    f.notes.append(f"agents exited {codes} after SIGTERM")
+            except TimeoutError:
+                self.hangs += 1
+                f.notes.append(f"HANG: the preempted job did not exit within {self.args.hang_s:.0f} s")
+        self.launch(cluster)
+
+    def stop(self) -> None:
+        """The stop file: every rank stops at the same step and closes; bounded by ``--hang-s``."""
+        (self.out / "stop").write_text("")
+        try:
+            codes = self.job.wait(self.args.hang_s)
+            if codes != [0] * NODES:
+                self.unplanned.append({"t": time.time(), "codes": codes, "logs": self.job.logs(tail=2500)})
+        except TimeoutError as e:
+            self.hangs += 1
+            self.unplanned.append({"t": time.time(), "hang": True, "logs": str(e)[-4000:]})
+        self.tail.read()
+
+
+def chaos_run(args: argparse.Namespace, strategy: str, schedule: list[gf.Failure], work: Path, storage: Any) -> dict:
+    import random
+
+    from tests.nodes import Cluster
+
+    root, env = storage.root_for(strategy, work)
+    run = Chaos(args, strategy, work, root, env, storage.proxy, storage.disk)
+    failures = [gf.Failure(**{k: v for k, v in f.as_dict().items()}) for f in schedule]
+    rng = random.Random(args.seed)
+    print(f"[goodput] {strategy}: {args.duration:.0f} s, storage {args.storage}", file=sys.stderr, flush=True)
+    done: list[gf.Failure] = []
+    with Cluster(NODES, shm_size="512m", name_prefix=f"gp{strategy[:3]}") as cluster:
+        run.launch(cluster)
+        t0 = run.launches[0]
+        resumed = run.watch(0, cluster, resume_after=0)
+        for f in failures:
+            if time.time() + f.gap_s - t0 > args.duration:
+                break
+            run.watch(max(resumed or 0, time.time()) + f.gap_s, cluster)
+            run.inject(f, cluster, rng)
+            done.append(f)
+            resumed = run.watch(0, cluster, resume_after=time.time())
+        run.watch(t0 + args.duration, cluster)
+        run.stop()
+    storage.after(strategy)
+    return {"strategy": strategy, "root": root, "events": run.tail.events, "failures": [f.as_dict() for f in done],
+            "launches": run.launches, "hangs": run.hangs, "unplanned": run.unplanned}
+
+
+class Storage:
+    """S3 (moto behind the fault proxy) or a small tmpfs root (``ctl://``)."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.kind, self.work, self.proxy, self.disk, self.moto, self.endpoint = args.storage, work, None, None, None, None
+        self.skipped: dict[str, str] = {}
+        if self.kind == "s3":
+            from peer_recovery import start_moto
+
+            from tests.faults.proxy import FaultProxy
+
+            self.moto, self.endpoint = start_moto(str(work))
+            self.proxy = FaultProxy(int(self.endpoint.rsplit(":", 1)[1]), seed=args.seed, stall_s=30).start()
+        else:
+            self.disk = gf.Disk(work / "disk", args.disk_mb)
+            why = self.disk.mount()
+            if why:
+                self.disk = None
+                self.skipped = {k: why for k in gf.SOFT_DISK}
+
+    def root_for(self, strategy: str, work: Path) -> tuple[str, dict[str, str]]:
+        from tests.servers import s3_options
+
+        if strategy == "dcp" or strategy == "none":
+            base = self.disk.where if self.disk is not None else work
+            return str(base / f"{strategy}-{uuid.uuid4().hex[:6]}"), {}
+        if self.kind == "s3":
+            import s3fs
+
+            bucket = f"goodput-{strategy}-{uuid.uuid4().hex[:8]}"
+            s3fs.S3FileSystem(**s3_options(self.endpoint), skip_instance_cache=True).mkdir(bucket)
+            options = s3_options(f"http://127.0.0.1:{self.proxy.port}")
+            return f"s3://{bucket}/run", {"GOODPUT_STORAGE_OPTIONS": json.dumps(options)}
+        where = (self.disk.where if self.disk is not None else work) / strategy
+        options = {"slow_file": str(self.disk.slow_file)} if self.disk is not None else {}
+        return f"ctl://{where}", {"GOODPUT_STORAGE_OPTIONS": json.dumps(options)}
+
+    def read_options(self) -> dict[str, Any] | None:
+        from tests.servers import s3_options
+
+        return s3_options(self.endpoint) if self.kind == "s3" else None
+
+    def after(self, strategy: str) -> None:
+        if self.proxy is not None:
+            self.proxy.clear()
+        if self.disk is not None:
+            self.disk.unfill()
+            self.disk.fast()
+
+    def close(self) -> None:
+        from tests.servers import stop_server
+
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            stop_server(self.moto)
+        if self.disk is not None:
+            self.disk.unmount()
+
+
+def reference_run(args: argparse.Namespace, steps: int, work: Path) -> dict:
+    from tests.nodes import Cluster
+
+    run = Chaos(args, "none", work, str(work / "none"), {}, None, None)
+    print(f"[goodput] the uninterrupted run: {steps} steps", file=sys.stderr, flush=True)
+    with Cluster(NODES, shm_size="256m", name_prefix="gpref") as cluster:
+        run.launch(cluster, max_steps=steps, full_hash=True)
+        codes = run.job.wait(args.hang_s + steps * (args.step_ms / 1e3 + 1.0))
+        run.tail.read()
+    if codes != [0] * NODES:
+        raise RuntimeError(f"the uninterrupted run failed ({codes}): {run.job.logs(tail=4000)}")
+    return {"events": run.tail.events, "launch": run.launches[0]}
+
+
+def main() -> None:
+    import goodput_report as report
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=180, help="seconds of failures per strategy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--storage", choices=["s3", "disk"], default="s3")
+    parser.add_argument("--kinds", help="only these failure kinds (default: every kind the storage allows)")
+    parser.add_argument("--gap-s", default="4,12", help="wait before each failure, after training resumed: MIN,MAX")
+    parser.add_argument("--window-s", default="3,10", help="how long a storage or disk failure lasts: MIN,MAX")
+    parser.add_argument("--every", type=int, default=10, help="storage saves every N steps")
+    parser.add_argument("--step-ms", type=float, default=100)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--disk-mb", type=int, default=32)
+    parser.add_argument("--hang-s", type=float, default=120)
+    parser.add_argument("--work", help="a folder for roots, events and logs (default: a fresh one, removed)")
+    parser.add_argument("--json")
+    parser.add_argument("--plots", help="write PREFIX-timeline.png and PREFIX-recovery.png")
+    args = parser.parse_args()
+
+    from tests.nodes import namespaces_unavailable
+
+    if (why := namespaces_unavailable()) is not None:
+        raise SystemExit(f"goodput: {why}")
+    args.json = args.json or os.path.join(REPO_DIR, "bench", "results", f"goodput-{args.storage}.json")
+    work = Path(args.work) if args.work else Path(REPO_DIR) / "bench" / "results" / f"goodput-{uuid.uuid4().hex[:6]}"
+    work.mkdir(parents=True, exist_ok=True)
+    kinds = gf.kinds_for(args.storage, args.kinds.split(",") if args.kinds else None)
+    gap, window = (tuple(float(x) for x in s.split(",")) for s in (args.gap_s, args.window_s))
+    count = int(args.duration / gap[0]) + len(kinds)
+    schedule = gf.draw(args.seed, kinds, count, world=NODES, nodes=NODES, gap_s=gap, window_s=window)  # type: ignore[arg-type]
+    strategies = [s for s in args.strategies.split(",") if s]
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "seed": args.seed, "storage": args.storage,
+                              "duration_s": args.duration, "kinds": kinds, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "runs": []}
+    storage = Storage(args, work)
+    result["skipped_kinds"] = storage.skipped
+    try:
+        for strategy in strategies:
+            run = chaos_run(args, strategy, schedule, work / strategy, storage)
+            result["runs"].append(run)
+        furthest = max(report.final_step(r) or 0 for r in result["runs"])
+        result["reference"] = reference_run(args, furthest + 1, work / "reference")
+        for run in result["runs"]:
+            run["summary"] = report.summarize(run, result["reference"], storage.read_options())
+    finally:
+        storage.close()
+        if not args.work and not os.environ.get("GOODPUT_KEEP_WORK"):
+            shutil.rmtree(work, ignore_errors=True)
+    report.write(result, args.json)
+    print(report.tables(result))
+    if args.plots:
+        import goodput_plot
+
+        goodput_plot.draw(result, args.plots)
+    print(f"\nresults: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
