@@ -6,10 +6,12 @@ MASTER_PORT set) as ``dcp_worker.py SCENARIO ROOT OUT``; what the ranks saw goes
           ``get_state_dict(model, opt)`` with ``dcp.async_save`` (thread executor, DCP's default stager, on a
           gloo group of its own) through ``StorageWriter(ckpt, step)``, the second one by
           ``checkpoint_id``. Rank 0 dumps the full tensors of every step (``full-<step>.pt``, gathered on the
-          training thread while the save runs); every rank writes its view (``save-r<rank>.json``).
+          training thread while the save runs); then step 3 is saved by mpckpt's own ``ckpt.save`` (the model
+          only). Every rank writes its view (``save-r<rank>.json``).
 ``load``  a fresh FSDP2 model (other weights) and a fresh optimizer at this world size: ``dcp.load`` of
-          ``get_state_dict`` through ``StorageReader(ckpt)`` (the latest step), then ``set_state_dict``;
-          rank 0 dumps the full tensors (``loaded-w<world>.pt``).
+          ``get_state_dict`` through ``StorageReader(ckpt)`` with ``checkpoint_id`` naming step 2, then
+          ``set_state_dict``; then another fresh model from the latest step (3, the native save). Rank 0
+          dumps the full tensors (``loaded-w<world>.pt``, ``loaded-native-w<world>.pt``).
 ``kill``  step 1 is saved with ``dcp.save``; at step 2 rank 1 SIGKILLs itself inside ``write_data``
           (before its part is snapshotted), rank 0 records what it got (``kill-r0.json``).
 """
@@ -26,7 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 import mpckpt
 from mpckpt.errors import MpckptError
@@ -62,6 +69,8 @@ def save(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
                 torch.save(dumped, out / f"full-{step}.pt")
             future.result()
             view[f"latest-after-{step}"] = ckpt.latest_step
+        ckpt.save(3, {"model": model, "step": 3})  # mpckpt's own multi-rank save, which StorageReader reads too
+        ckpt.wait()
         view.update(steps=ckpt.steps(), saves=[s.status for s in ckpt.stats.saves])
     write_json(out / f"save-r{rank}.json", view)
 
@@ -72,12 +81,20 @@ def load(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
     with mpckpt.Checkpointer(args.root, workers=1, timeout_s=60) as ckpt:
         sd_model, sd_optim = get_state_dict(model, opt)
         state = {"model": sd_model, "optim": sd_optim, "step": -1}
-        dcp.load(state, storage_reader=StorageReader(ckpt))
+        dcp.load(state, storage_reader=StorageReader(ckpt), checkpoint_id="step_0000000002")
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         dumped = full_flat(model, opt)
         if rank == 0:
             torch.save(dumped, out / f"loaded-w{world}.pt")
-        write_json(out / f"load-r{rank}.json", {"step": state["step"], "latest": ckpt.latest_step})
+        other, _ = build_model("fsdp", 2, world)
+        native = {"model": get_model_state_dict(other), "step": -1}
+        dcp.load(native, storage_reader=StorageReader(ckpt))  # the latest: step 3, saved by ckpt.save
+        set_model_state_dict(other, native["model"])
+        dumped = {f"model.{k}": full(v) for k, v in get_model_state_dict(other).items()}
+        if rank == 0:
+            torch.save(dumped, out / f"loaded-native-w{world}.pt")
+        write_json(out / f"load-r{rank}.json", {"step": state["step"], "native_step": native["step"],
+                                                "latest": ckpt.latest_step})
 
 
 class KillingWriter(StorageWriter):
