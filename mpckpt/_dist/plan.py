@@ -13,7 +13,9 @@ sharded leaves, and the key paths of its plain values outside ``PerRank``: the v
 themselves are not compared) and its own byte count. Ranks that disagree (a rank-dependent
 value not wrapped in ``PerRank``, a model built differently, a key only some ranks have) get
 a ``StateError`` naming the first key that differs, on every rank alike. The plan is cached
-by the state's layout key: later saves of the same state run no collective at all.
+by the state's layout key: later saves of the same state run no collective at all. A state whose
+tensors are all ``PlacedShard``s (``integrations.dcp``: DCP's planner already decided who writes
+each chunk and checked the ranks) is planned locally, without a collective.
 """
 
 from __future__ import annotations
