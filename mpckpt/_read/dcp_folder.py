@@ -179,7 +179,8 @@ class DcpFolder:
 
     def _unpickle(self, buf: bytearray, entry: Entry, item: Item, where: str) -> Any:
         if buf[:4] != _ZIP_MAGIC:  # torch.save's archive; anything else is damage, never a legacy pickle to try
-            raise self._undecodable(item, where, "not a torch.save archive")
+            raise self._undecodable(item, where, "not a torch.save archive; a folder written with "
+                                    "serialization_format=SAFETENSORS is not read")
         try:
             return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
