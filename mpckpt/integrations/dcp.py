@@ -12,10 +12,11 @@ Saving: every rank's ``write_data`` gives mpckpt its part of the state (``_dcp_s
 DCP chunk as a box of its global tensor, as mpckpt stores a DTensor's local shard; each
 bytes item as the value itself) and takes an ASYNC save of it: the copy into shared memory,
 then the uploader pool and the ledger, as ``Checkpointer.save`` does, without its
-collectives (DCP's planning already ran on every rank). ``finish`` on DCP's coordinator
-waits for the commit, which mpckpt makes once every rank's part is durable, in step order:
-``dcp.save`` returns, and ``dcp.async_save``'s future resolves, only then. DCP's ``Metadata``
-is not stored; its ``.metadata`` is a pickle, and mpckpt never reads one.
+collectives (DCP's planning already ran on every rank), then waits for the commit, which
+mpckpt makes once every rank's part is durable, in step order: ``dcp.save`` returns, and
+``dcp.async_save``'s future resolves, only then, with every rank's Checkpointer knowing it
+(``finish`` has nothing left to do). DCP's ``Metadata`` is not stored; its ``.metadata`` is a
+pickle, and mpckpt never reads one.
 
 Reading: ``read_metadata`` rebuilds DCP's ``Metadata`` from the manifest and the skeletons
 (``_dcp_view``), and ``read_data`` reads each box DCP asks for from the chunks that hold it,
@@ -106,7 +107,6 @@ class StorageWriter(_storage.StorageWriter):
         self.checkpoint_id: Any = None
         self.is_coordinator = False
         self._held: list[Any] | None = None
-        self._future: Any = None
 
     def __reduce__(self) -> Any:
         raise ConfigError("mpckpt's StorageWriter saves through the Checkpointer open in this process, which a DCP "
@@ -118,7 +118,6 @@ class StorageWriter(_storage.StorageWriter):
         if checkpoint_id is not None:
             step = step_of_id(self.ckpt, checkpoint_id)
             self.step, self.checkpoint_id = step, checkpoint_id
-        self._future = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -157,8 +156,11 @@ class StorageWriter(_storage.StorageWriter):
             rt = self.ckpt._writer()
             assert self.step is not None
             step = _check_step(self.step, rt.ledger.last_step)
-            self._future = rt.save(step, state, dict(self.metrics), mode=UploadMode.ASYNC, overlap=False, force=True,
-                                   started=started, agreed=True)
+            future = rt.save(step, state, dict(self.metrics), mode=UploadMode.ASYNC, overlap=False, force=True,
+                             started=started, agreed=True)
+        # every rank waits for the commit here, not the coordinator alone in ``finish``: when DCP returns,
+        # each rank's Checkpointer knows the step is committed (latest_step, retention, the next save)
+        _committed(future, rt.wait_s)
         results = [_storage.WriteResult(index=item.index, size_in_bytes=sizes.get(item.index, 0), storage_data=None)
                    for item in plan.items]
         done: Future[list[_storage.WriteResult]] = Future()
@@ -166,19 +168,20 @@ class StorageWriter(_storage.StorageWriter):
         return done
 
     def finish(self, metadata: Any, results: list[list[_storage.WriteResult]]) -> None:
-        """Wait for the commit (every rank's part durable); DCP's ``metadata`` is not stored (see the module)."""
-        future, self._future = self._future, None
-        if future is None:
-            return
-        rt = self.ckpt._rt
-        done = future.result(rt.wait_s)
-        if done.name is None:
-            raise MpckptError(f"step {future.step} was not saved ({future.stats.status}): the memory budget was full "
-                              "under policy 'skip' or 'coalesce'; raise memory_budget or use policy='block'")
+        """Nothing left to do: every rank's ``write_data`` returned after the commit. DCP's ``metadata``
+        is not stored (``StorageReader`` rebuilds it from the checkpoint; see the module)."""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _step_number(checkpoint_id) is not None
+
+
+def _committed(future: Any, timeout_s: float) -> None:
+    """Wait for the commit of a save (every rank's part durable); raise why it did not commit."""
+    done = future.result(timeout_s)
+    if done.name is None:
+        raise MpckptError(f"step {future.step} was not saved ({future.stats.status}): the memory budget was full "
+                          "under policy 'skip' or 'coalesce'; raise memory_budget or use policy='block'")
 
 
 def _saving_lock(ckpt: Checkpointer) -> threading.Lock:

@@ -207,9 +207,8 @@ def test_a_rank_killed_inside_dcp_save_commits_nothing(tmp_path):
     codes = [finish(proc, log, timeout_s=120) for proc, log in procs]
     assert codes == [0, -signal.SIGKILL], [tail(log) for _, log in procs]
     seen = json.loads((out / "kill-r0.json").read_text())
-    assert seen["dcp_error"] is not None, seen  # DCP's own save failed on rank 0 too
-    assert seen["error"] is not None and seen["error"]["type"] == "RankError" and seen["error"]["ranks"] == [1], seen
-    assert seen["latest"] == 1, seen
+    assert seen["dcp_error"] is not None, seen  # DCP's save failed on rank 0 too
+    assert seen["statuses"] == ["committed", "failed"] and seen["error"] is None and seen["latest"] == 1, seen
     with mpckpt.Checkpointer(root, workers=1) as ckpt:
         assert ckpt.steps() == [1]
     assert not (root / "step_0000000002").exists()
