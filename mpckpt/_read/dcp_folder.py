@@ -89,10 +89,13 @@ class DcpFolder:
         return f"{self.backend.url}/{relpath}"
 
     def _entries(self) -> list[Entry]:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         md = self.metadata
         planner = md.planner_data or {}
+        # by plain values: the metadata's own records are of classes made for its load (format.dcp_metadata)
+        stored = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
+                  for index, info in md.storage_data.items()}
         entries = []
         for key, meta in md.state_dict_metadata.items():
             entry = Entry(key, planner.get(key, (key,)))
@@ -100,12 +103,11 @@ class DcpFolder:
                 entry.dtype, entry.shape = meta.properties.dtype, tuple(meta.size)
                 chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
                 _check_cover(entry, chunks, self.where(METADATA_NAME))
-                indexes = [MetadataIndex(key, offsets) for offsets, _ in chunks]
                 spans: list[tuple[Any, Any]] = list(chunks)
             else:
-                spans, indexes = [(None, None)], [MetadataIndex(key)]
-            for (offsets, sizes), index in zip(spans, indexes, strict=True):
-                info = md.storage_data.get(index)
+                spans = [(None, None)]
+            for offsets, sizes in spans:
+                info = stored.get((key, offsets))
                 if info is None:
                     raise CorruptCheckpointError(
                         f"{self.where(METADATA_NAME)}: {key!r} has no stored item"

@@ -28,7 +28,10 @@ Plain values (None, bools, ints, floats, strings, bytes, tuples, lists, dicts, s
 global. These are exactly what a default ``FileSystemWriter`` pickles for any state (models,
 optimizers with state, non-tensor values, every dtype, DTensor shards of any number of ranks).
 Calling one of them can only build DCP's metadata records, a size, a path or a container;
-what ``TensorProperties.__setstate__`` runs is DCP's own decoding of its memory format.
+what ``TensorProperties.__setstate__`` runs is DCP's own decoding of its memory format. None of
+them is handed out as the object the rest of the process uses where pickle could change it
+(``_fenced``): DCP's classes come as subclasses made for one load, so a file cannot rebind
+their methods for anyone else.
 ``allow_pickle=True`` (the caller trusts the folder) unpickles with plain ``pickle`` instead.
 
 After unpickling, ``check_metadata`` checks the shape of what came back (types, non-negative
@@ -105,12 +108,42 @@ def _layout(name: object) -> Any:
     return value
 
 
+def _fenced(found: Any) -> Any:
+    """What the unpickler hands out for an admitted global: an object this load alone holds
+    wherever the real one could be changed.
+
+    Pickle's BUILD sets attributes on whatever object it is given, a class too: handed the real
+    ``Metadata`` (or ``pathlib.PosixPath``), a forged file could rebind its methods for the whole
+    process. So a Python class comes as a fresh subclass made for this load (NEWOBJ needs a
+    class), and what is only ever called (an Enum, a path class, the layout lookup) as a fresh
+    function; types implemented in C (``torch.Size``, ``OrderedDict``, ``set``) and the dtype,
+    layout and memory format objects cannot be changed and come as they are.
+    """
+    import enum
+    import pathlib
+
+    if isinstance(found, type) and issubclass(found, (enum.Enum, pathlib.PurePath)):
+        def make(*args: Any) -> Any:
+            return found(*args)
+        return make
+    if isinstance(found, type) and found.__module__.startswith("torch.distributed.checkpoint"):
+        return type(found.__name__, (found,), {"__module__": found.__module__, "__qualname__": found.__qualname__})
+    if found is _layout:
+        def layout(name: object) -> Any:
+            return _layout(name)
+        return layout
+    return found
+
+
 class _Restricted(pickle.Unpickler):
     def __init__(self, data: bytes, where: str) -> None:
         super().__init__(io.BytesIO(data))
         self.where = where
+        self.handed: dict[tuple[str, str], Any] = {}  # what this load's find_class gave out, by global
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.handed:
+            return self.handed[(module, name)]
         found = admitted(module, name)
         if found is None:
             raise StateError(
@@ -118,7 +151,8 @@ class _Restricted(pickle.Unpickler):
                 "unpickling it could run code from storage, so mpckpt refused it (nothing was run). If you "
                 "trust whoever wrote this folder, pass allow_pickle=True (mpckpt.load) or --allow-pickle "
                 "(mpckpt import-dcp)", key=f"{module}.{name}")
-        return found
+        self.handed[(module, name)] = _fenced(found)
+        return self.handed[(module, name)]
 
     def persistent_load(self, pid: Any) -> Any:
         raise StateError(f"{self.where} holds a persistent id, which DCP's metadata never does; refused "
@@ -137,7 +171,11 @@ def read_metadata(data: bytes, *, where: str, allow_pickle: bool = False) -> Any
     except Exception as e:  # any damage: truncated, forged opcodes, wrong arguments to an admitted class
         raise CorruptCheckpointError(f"{where}: not a readable DCP metadata file ({type(e).__name__}: "
                                      f"{str(e)[:300]})", path=where) from e
-    check_metadata(metadata, where=where)
+    try:
+        check_metadata(metadata, where=where)
+    except (AttributeError, TypeError, ValueError, RecursionError) as e:  # a record built without its fields
+        raise CorruptCheckpointError(f"{where}: malformed DCP metadata ({type(e).__name__}: {str(e)[:300]})",
+                                     path=where) from e
     return metadata
 
 

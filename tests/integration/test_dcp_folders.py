@@ -10,7 +10,8 @@
   imported, exported, and the exported folder read by ``dcp.load`` into a fresh sharded FSDP2 state.
 - A ``.metadata`` whose unpickling would run code is refused by ``mpckpt.load``, ``info``, ``verify``
   and ``import-dcp``, naming the file and the global it asked for; the marker file it would create
-  never appears and nothing is imported.
+  never appears and nothing is imported. One that sets attributes on an admitted class (pickle's
+  BUILD on the class object) changes nothing the rest of the process sees.
 - A truncated ``.distcp`` file, a damaged item, a value ``torch.load(weights_only=True)`` refuses,
   and an existing non-empty export target: each a clear error naming what is wrong.
 """
@@ -249,6 +250,22 @@ def test_a_metadata_file_that_would_run_code_is_refused_everywhere(single, tmp_p
         err = capsys.readouterr().err
         assert f"{folder}/.metadata" in err and offending in err, (argv, err)
     assert not marker.exists() and not root.exists()
+
+
+@pytest.mark.parametrize("module,name", [("torch.distributed.checkpoint.metadata", "Metadata"),
+                                         ("pathlib", "PosixPath")])
+def test_a_metadata_file_cannot_change_an_admitted_class_for_the_process(tmp_path, module, name):
+    """Pickle's BUILD on a class object sets attributes on it: the file gets a class of its own load."""
+    import importlib
+
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    # GLOBAL module.name, then BUILD with the slot state {"tampered": torch.Size}
+    (folder / ".metadata").write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode()
+                                       + b"N}X\x08\x00\x00\x00tamperedctorch\nSize\ns\x86b.")
+    with pytest.raises(CorruptCheckpointError, match="not a Metadata"):
+        mpckpt.load(folder)
+    assert not hasattr(getattr(importlib.import_module(module), name), "tampered")
 
 
 def test_a_truncated_or_damaged_data_file_is_a_clear_error(single, tmp_path, capsys):
