@@ -273,8 +273,10 @@ def main() -> None:
                                  torch.nn.ReLU(), torch.nn.Linear(args.width, OUT_DIM))
     model, opt = parallel(layers, "fsdp", world)
     state = {"model": model, "optim": opt}
+    events("built")
     saver: Any = (Bare() if args.strategy == "none" else Dcp(args, model, opt) if args.strategy == "dcp"
                   else Mpckpt(args, state))
+    events("opened")
     events.uploaders(saver.uploader_pids())
     restored, source = saver.restore()
     events("restored", step=restored, source=source, hash=local_hash(model, opt) if restored is not None else None)
