@@ -198,6 +198,24 @@ def test_a_two_rank_fsdp_folder_round_trips_and_loads_sharded_through_dcp(ranked
     assert_equals_full({"model": reloaded["model"], "optim": {"state": reloaded["optim"]}}, full)
 
 
+def test_chunks_that_overlap_or_reach_past_their_tensor_are_refused(ranked, tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    for case, offsets in (("overlap", (3, 0)), ("past", (5, 0))):
+        folder = tmp_path / case
+        shutil.copytree(ranked[0], folder)
+        with open(folder / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # the test's own folder: trusted
+        tensor = metadata.state_dict_metadata["model.0.weight"]  # [7, 12]: rows 0-3 and 4-6
+        moved = tensor.chunks[1]
+        info = metadata.storage_data.pop(MetadataIndex("model.0.weight", moved.offsets))
+        tensor.chunks[1] = ChunkStorageMetadata(torch.Size(offsets), moved.sizes)
+        metadata.storage_data[MetadataIndex("model.0.weight", offsets)] = info
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(CorruptCheckpointError, match="'model.0.weight'.*(overlap|reach past)"):
+            mpckpt.load(folder)
+
+
 # -- what is refused -----------------------------------------------------------------------------------------
 
 class RunsCode:
