@@ -64,7 +64,8 @@ paragraphs above this one (and for each command, its module's docstring up to th
 paragraph about the code: ``INVARIANT``, ``This module``) as plain text: the double
 backticks dropped, paragraphs wrapped to the terminal, the indented table kept as written.
 Each command is one module with a ``run(args) -> int`` (``ls``, ``info``, ``verify``,
-``export``, ``stats``, ``gc``, ``rm``); ``_common`` holds what they share: the escaping,
+``export``, ``import_dcp``, ``stats``, ``gc``, ``rm``; a module's ``_`` is the command's ``-``;
+``_dcp`` and ``_export_dcp`` serve ``info``, ``verify`` and ``export`` for DCP folders); ``_common`` holds what they share: the escaping,
 opening a root, finding a step, turning an ``MpckptError`` into exit status 1
 (``BadArguments``: 2), times, sizes and dotted paths; ``_roots`` finds the checkpoint roots
 below a folder that holds none.
