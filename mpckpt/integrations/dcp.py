@@ -51,7 +51,16 @@ from mpckpt.integrations._dcp_view import CheckpointView
 
 __all__ = ["StorageReader", "StorageWriter"]
 
-_SAVING: weakref.WeakKeyDictionary[Checkpointer, threading.Lock] = weakref.WeakKeyDictionary()
+class _Saving:
+    """What the DCP saves of one Checkpointer share: one save at a time, and the items this rank held
+    at its last save (DCP's plan cache sends an empty local plan when nothing changed)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: list[Any] | None = None
+
+
+_SAVING: weakref.WeakKeyDictionary[Checkpointer, _Saving] = weakref.WeakKeyDictionary()
 _SAVING_LOCK = threading.Lock()
 
 
@@ -106,7 +115,6 @@ class StorageWriter(_storage.StorageWriter):
         self.metrics = _check_metrics(metrics)
         self.checkpoint_id: Any = None
         self.is_coordinator = False
-        self._held: list[Any] | None = None
 
     def __reduce__(self) -> Any:
         raise ConfigError("mpckpt's StorageWriter saves through the Checkpointer open in this process, which a DCP "
@@ -139,7 +147,7 @@ class StorageWriter(_storage.StorageWriter):
 
         if not plan.usable:  # DCP's plan cache: the same items as last time
             return plan
-        self._held = list(plan.items)
+        _saving(self.ckpt).held = list(plan.items)
         return dataclasses.replace(plan, storage_data=held_keys(plan.items))
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
@@ -149,9 +157,11 @@ class StorageWriter(_storage.StorageWriter):
         return [dataclasses.replace(p, storage_data=None) if p.usable else p for p in plans]
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[_storage.WriteResult]]:
-        held = self._held if self._held is not None else list(plan.items)
-        state, sizes = state_of(held, plan.items, planner, distributed=_group_of(self.ckpt) is not None)
-        with _saving_lock(self.ckpt):  # one DCP save at a time per Checkpointer, in step order
+        saving = _saving(self.ckpt)
+        if saving.held is None:
+            raise ConfigError("DCP sent no local plan (its plan cache) before this Checkpointer's first DCP save")
+        state, sizes = state_of(saving.held, plan.items, planner, distributed=_group_of(self.ckpt) is not None)
+        with saving.lock:  # one DCP save at a time per Checkpointer, in step order
             started = time.perf_counter()
             rt = self.ckpt._writer()
             assert self.step is not None
@@ -184,12 +194,12 @@ def _committed(future: Any, timeout_s: float) -> None:
                           "under policy 'skip' or 'coalesce'; raise memory_budget or use policy='block'")
 
 
-def _saving_lock(ckpt: Checkpointer) -> threading.Lock:
+def _saving(ckpt: Checkpointer) -> _Saving:
     with _SAVING_LOCK:
-        lock = _SAVING.get(ckpt)
-        if lock is None:
-            lock = _SAVING[ckpt] = threading.Lock()
-        return lock
+        found = _SAVING.get(ckpt)
+        if found is None:
+            found = _SAVING[ckpt] = _Saving()
+        return found
 
 
 class StorageReader(_storage.StorageReader):

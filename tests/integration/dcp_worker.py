@@ -3,9 +3,10 @@
 MASTER_PORT set) as ``dcp_worker.py SCENARIO ROOT OUT``; what the ranks saw goes into the folder ``OUT``.
 
 ``save``  FSDP2 + AdamW (``dist_worker.build_model``); steps 1 and 2 each train, then save
-          ``get_state_dict(model, opt)`` with ``dcp.async_save`` (thread executor, DCP's default stager, on a
-          gloo group of its own) through ``StorageWriter(ckpt, step)``, the second one by
-          ``checkpoint_id``. Rank 0 dumps the full tensors of every step (``full-<step>.pt``, gathered on the
+          ``get_state_dict(model, opt)`` with ``dcp.async_save`` (thread executor, on a gloo group of its own,
+          DCP's planner with its plan cache, so step 2's local plans come from it) through
+          ``StorageWriter(ckpt, step)``: step 1 with DCP's default stager, step 2 by ``checkpoint_id`` with a
+          shared-memory ``DefaultStager``. Rank 0 dumps the full tensors of every step (``full-<step>.pt``, gathered on the
           training thread while the save runs); then step 3 is saved by mpckpt's own ``ckpt.save`` (the model
           only). Every rank writes its view (``save-r<rank>.json``).
 ``load``  a fresh FSDP2 model (other weights) and a fresh optimizer at this world size: ``dcp.load`` of
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -54,21 +57,26 @@ def save(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
     model, opt = build_model("fsdp", 0, world)
     dcp_group = dist.new_group(backend="gloo")  # DCP's background thread talks on its own group
     view: dict[str, Any] = {}
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+                                          use_non_blocking_copy=False))
     with mpckpt.Checkpointer(args.root, workers=1, timeout_s=60) as ckpt:
         for step in (1, 2):
             train_step(model, opt, step, rank)
             sd_model, sd_optim = get_state_dict(model, opt)
             state = {"model": sd_model, "optim": sd_optim, "step": step}
+            planner = DefaultSavePlanner(enable_plan_caching=True)  # step 2's local plans come from DCP's cache
             if step == 1:
-                future = dcp.async_save(state, storage_writer=StorageWriter(ckpt, step), process_group=dcp_group)
+                future = dcp.async_save(state, storage_writer=StorageWriter(ckpt, step), process_group=dcp_group,
+                                        planner=planner)
             else:
                 future = dcp.async_save(state, storage_writer=StorageWriter(ckpt), checkpoint_id=str(step),
-                                        process_group=dcp_group)
+                                        process_group=dcp_group, planner=planner, async_stager=stager)
             dumped = full_flat(model, opt)  # training-thread collectives while the save runs in DCP's thread
             if rank == 0:
                 torch.save(dumped, out / f"full-{step}.pt")
             future.result()
             view[f"latest-after-{step}"] = ckpt.latest_step
+        stager.close()
         ckpt.save(3, {"model": model, "step": 3})  # mpckpt's own multi-rank save, which StorageReader reads too
         ckpt.wait()
         view.update(steps=ckpt.steps(), saves=[s.status for s in ckpt.stats.saves])
