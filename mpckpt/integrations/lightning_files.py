@@ -47,7 +47,7 @@ from typing import Any
 
 import mpckpt
 from mpckpt.config import DEFAULT_TIMEOUT_S
-from mpckpt.errors import CheckpointNotFoundError, add_note
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, add_note
 
 __all__ = ["checkpoint_not_written_yet", "read_pointer"]
 
@@ -136,8 +136,10 @@ class _Pointer:
         return checkpoint_not_written_yet, (self.body,)
 
 
-def pointer_bytes(path: str, cands: list[Candidate], *, epoch: Any = None, global_step: Any = None) -> bytes:
-    """The pointer at ``path`` naming ``cands`` (newest first), as ``torch.save`` writes it."""
+def pointer_bytes(path: str, cands: list[Candidate], *, epoch: Any = None, global_step: Any = None,
+                  sharded: bool = False) -> bytes:
+    """The pointer at ``path`` naming ``cands`` (newest first), as ``torch.save`` writes it
+    (``sharded``: the steps are sharded saves of ``lightning_dcp``'s strategies)."""
     import torch
 
     where = dirname(path)
@@ -151,6 +153,8 @@ def pointer_bytes(path: str, cands: list[Candidate], *, epoch: Any = None, globa
                             "host": socket.gethostname(), "pid": os.getpid()}
     body.update({k: v for k, v in (("epoch", epoch), ("global_step", global_step))
                  if isinstance(v, int) and not isinstance(v, bool)})
+    if sharded:
+        body["sharded"] = True
     buffer = io.BytesIO()
     torch.save(_Pointer(body), buffer)
     return buffer.getvalue()
@@ -278,6 +282,10 @@ def load_pointed(path: str, pointer: Mapping[str, Any], *, wait_s: float,
     ``wait_s``), reading the file again: None once it became a checkpoint (read it as one);
     ``FileNotFoundError`` saying why when nothing can be loaded.
     """
+    if pointer.get("sharded"):
+        raise ConfigError(f"{path} is a sharded Lightning checkpoint in an mpckpt root: load it with the strategy "
+                          "that saved it (mpckpt.integrations.lightning_dcp.MpckptFSDPStrategy or "
+                          "MpckptModelParallelStrategy), or its full tensors with mpckpt.load(root, step)")
     deadline, said = time.monotonic() + wait_s, False
     while True:
         tried = []
