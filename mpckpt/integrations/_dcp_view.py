@@ -179,7 +179,7 @@ class CheckpointView:
         """Every item of DCP's load plan ``plan`` into the tensors and values ``planner`` resolves."""
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        pending = []
+        pending: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -190,16 +190,33 @@ class CheckpointView:
                 continue
             chunk = item.storage_index.offset or ()
             offset = tuple(int(a) + int(b) for a, b in zip(chunk, item.storage_offsets, strict=True))
-            pending.append((item, self._region(fqn, offset, tuple(int(n) for n in item.lengths))))
+            shape = tuple(int(n) for n in item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != shape:
+                raise StateError(f"{item.dest_index.fqn!r}: DCP asks for {list(shape)} into a tensor of "
+                                 f"{list(target.shape)}", key=item.dest_index.fqn)
+            if self._read_into(fqn, target, offset):
+                pending.append((item, target, None))
+            else:
+                pending.append((item, target, self._region(fqn, offset, shape)))
         if self.reader is not None:
             self.reader.run()
-        for item, region in pending:
-            target = planner.resolve_tensor(item).detach()
-            if tuple(target.shape) != tuple(region.shape):
-                raise StateError(f"{item.dest_index.fqn!r}: DCP asks for {list(region.shape)} into a tensor of "
-                                 f"{list(target.shape)}", key=item.dest_index.fqn)
-            target.copy_(region)
+        for item, target, region in pending:
+            if region is not None:
+                target.copy_(region)
             planner.commit_tensor(item, target)
+
+    def _read_into(self, fqn: str, target: torch.Tensor, offset: tuple[int, ...]) -> bool:
+        """Plan the read of a global tensor's box straight into DCP's ``target`` (same dtype, in CPU
+        memory: the reader views the stored bytes as the target's dtype); False: read it apart."""
+        how = self.sources.get(fqn)
+        if self.reader is None or how is None or how[0] != "global" or target.device.type != "cpu":
+            return False
+        g = self.reader.globals[how[1]]
+        if target.dtype != g.dtype:
+            return False
+        self.reader.plan(target, offset, g.chunks, how[1])
+        return True
 
 
 def _holds_tensor(value: Any) -> bool:
