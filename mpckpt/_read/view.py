@@ -18,12 +18,12 @@ from typing import Any
 
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._futures import CheckpointerStats
-from mpckpt._read.dcp_folder import is_dcp_folder, load_dcp_folder
 from mpckpt._read.load import load_checkpoint, load_state
 from mpckpt._read.restore import read_newest
 from mpckpt.catalog import Catalog, scan
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, MpckptError
+from mpckpt.format.dcp_metadata import is_dcp_folder
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import MANIFEST_NAME, checkpoint_name, step_of
 from mpckpt.storage import Backend, open_backend, spec_for_url
@@ -149,6 +149,8 @@ def load(root: str | os.PathLike[str], step: int | None = None, *, allow_pickle:
         if step is not None:
             raise CheckpointNotFoundError(f"{root} is a torch.distributed.checkpoint folder (one state, no steps); "
                                           f"load it without step={step}")
+        from mpckpt._read.dcp_folder import load_dcp_folder  # (only a DCP folder's load pays its import)
+
         return load_dcp_folder(backend, allow_pickle=allow_pickle)
     return _newest(backend, step, allow_pickle=allow_pickle, classes=classes)
 
