@@ -91,10 +91,11 @@ class Chaos:
         self.hangs, self.unplanned, self.launches = 0, [], []
 
     # -- the job --------------------------------------------------------------------------------------------------
-    def launch(self, cluster: Any, max_steps: int | None = None, full_hash: bool = False) -> None:
+    def launch(self, cluster: Any, max_steps: int | None = None, full_hash: bool = False,
+               step_ms: float | None = None) -> None:
         self.launch_no += 1
         argv = ["--strategy", self.strategy, "--root", self.root, "--out", str(self.out), "--every",
-                str(self.args.every), "--step-ms", str(self.args.step_ms), "--width", str(self.args.width),
+                str(self.args.every), "--step-ms", str(self.args.step_ms if step_ms is None else step_ms), "--width", str(self.args.width),
                 "--launch", str(self.launch_no)]
         if max_steps is not None:
             argv += ["--max-steps", str(max_steps)]
@@ -262,14 +263,18 @@ def chaos_run(args: argparse.Namespace, strategy: str, schedule: list[gf.Failure
         run.launch(cluster)
         t0 = run.launches[0]
         resumed = run.watch(0, cluster, resume_after=0)
+        end = t0 + args.duration
         for f in failures:
-            if time.time() + f.gap_s - t0 > args.duration:
+            if time.time() + f.gap_s > end:
+                break
+            if args.failures and len(done) >= args.failures:
+                end = time.time() + f.gap_s  # a last stretch of training, then stop
                 break
             run.watch(max(resumed or 0, time.time()) + f.gap_s, cluster)
             run.inject(f, cluster, rng)
             done.append(f)
             resumed = run.watch(0, cluster, resume_after=time.time())
-        run.watch(t0 + args.duration, cluster)
+        run.watch(end, cluster)
         run.stop()
     storage.after(strategy)
     return {"strategy": strategy, "root": root, "events": run.tail.events, "failures": [f.as_dict() for f in done],
@@ -342,7 +347,7 @@ def reference_run(args: argparse.Namespace, steps: int, work: Path) -> dict:
     run = Chaos(args, "none", work, str(work / "none"), {}, None, None)
     print(f"[goodput] the uninterrupted run: {steps} steps", file=sys.stderr, flush=True)
     with Cluster(NODES, shm_size="256m", name_prefix="gpref") as cluster:
-        run.launch(cluster, max_steps=steps, full_hash=True)
+        run.launch(cluster, max_steps=steps, full_hash=True, step_ms=args.reference_step_ms)
         codes = run.job.wait(args.hang_s + steps * (args.step_ms / 1e3 + 1.0))
         run.tail.read()
     if codes != [0] * NODES:
@@ -356,6 +361,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=180, help="seconds of failures per strategy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--failures", type=int, default=0,
+                        help="stop after this many failures (and a last gap of training), before --duration if sooner")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--storage", choices=["s3", "disk"], default="s3")
     parser.add_argument("--kinds", help="only these failure kinds (default: every kind the storage allows)")
@@ -363,6 +370,8 @@ def main() -> None:
     parser.add_argument("--window-s", default="3,10", help="how long a storage or disk failure lasts: MIN,MAX")
     parser.add_argument("--every", type=int, default=10, help="storage saves every N steps")
     parser.add_argument("--step-ms", type=float, default=100)
+    parser.add_argument("--reference-step-ms", type=float,
+                        help="the uninterrupted run's pacing (default --step-ms; 0 is faster, its goodput meaningless)")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--disk-mb", type=int, default=32)
     parser.add_argument("--hang-s", type=float, default=120)
@@ -380,7 +389,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     kinds = gf.kinds_for(args.storage, args.kinds.split(",") if args.kinds else None)
     gap, window = (tuple(float(x) for x in s.split(",")) for s in (args.gap_s, args.window_s))
-    count = int(args.duration / gap[0]) + len(kinds)
+    count = max(int(args.duration / gap[0]), args.failures) + len(kinds)
     schedule = gf.draw(args.seed, kinds, count, world=NODES, nodes=NODES, gap_s=gap, window_s=window)  # type: ignore[arg-type]
     strategies = [s for s in args.strategies.split(",") if s]
     result: dict[str, Any] = {"command": " ".join(sys.argv), "seed": args.seed, "storage": args.storage,
