@@ -187,6 +187,7 @@ def test_fsdp2_async_save_at_two_ranks_loads_at_one_and_three_bit_exactly(fsdp2_
                 {k: v for k, v in full.items() if k.startswith("model.")})
     assert stored["step"] == 2
     assert cli_main(["verify", str(root)]) == 0
+    assert cli_main(["info", str(root), "2"]) == 0 and cli_main(["ls", str(root)]) == 0
     for world in (1, 3):
         _job(world, "load", root, tmp_path / f"out-{world}", log=tmp_path / f"load-{world}.txt")
         assert_same(torch.load(tmp_path / f"out-{world}" / f"loaded-w{world}.pt"), full)
