@@ -137,8 +137,9 @@ class Chaos:
             if any(e["event"] == "step" for e in new):
                 progress = now
             if resume_after is not None:
-                for e in new:
-                    if e["event"] == "step" and e["rank"] == 0 and e["t"] > resume_after:
+                for e in new:  # a step of this launch (a preempted job steps once more before it exits)
+                    if e["event"] == "step" and e["rank"] == 0 and e["t"] > resume_after \
+                            and self.launch_of(e) == self.launch_no:
                         return e["t"]
             elif now >= until:
                 return None
@@ -176,6 +177,11 @@ class Chaos:
             resumed = self.watch(0, cluster, resume_after=f.at)
             assert resumed is not None
             restored = [self.last("restored", r) for r in range(NODES)]
+            deadline = time.monotonic() + 5  # the other rank's line may come a moment later
+            while None in restored and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.tail.read()
+                restored = [self.last("restored", r) for r in range(NODES)]
             f.restored_step = restored[0]["step"] if restored[0] else None
             f.sources = [r["source"] if r else None for r in restored]
             f.steps_lost = (f.last_step if f.last_step is not None else -1) - (

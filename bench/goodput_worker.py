@@ -206,6 +206,8 @@ class Dcp:
         self.pending = (step, dcp.async_save(self._state(), checkpoint_id=path, process_group=self.group))
 
     def poll(self, events: Events, wait: bool = False) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
         if self.pending is None or not (wait or self.pending[1].done()):
             return
         step, future = self.pending
@@ -213,7 +215,7 @@ class Dcp:
         try:
             future.result(timeout=120)
             events("commit", step=step, mode="async", status="committed")
-        except Exception as e:  # noqa: BLE001 (a failed save is recorded; the run goes on)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 (recorded; the run goes on)
             events("save_error", step=step, error=f"{type(e).__name__}: {e}"[:400])
             return
         if dist.get_rank() == 0:
