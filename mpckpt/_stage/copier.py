@@ -55,39 +55,84 @@ def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
 
 
 _FEED_BYTES = 4 << 20  # copied, then fed on while still in the cache (``copy_wave_fed``)
+_RUN_PIECE_BYTES = 1 << 20  # pieces smaller than this are copied in runs, one ``_foreach_copy_`` each
 
 
+def _fed_plan(layout: Layout, wave_index: int) -> list[list[tuple[int, int, int]]]:
+    """Per shard of the wave, its steps in file order: (first piece, end piece, end byte) for a run of
+    small pieces (up to about ``_FEED_BYTES``), (piece, -1, end byte) for a large one; piece numbers
+    index the wave's slab views. Planned once per layout, kept on the wave."""
+    wave = layout.waves[wave_index]
+    plan = wave.__dict__.get("_fed_plan")
+    if plan is None:
+        plan, at = [], 0
+        for shard in wave.shards:
+            steps: list[tuple[int, int, int]] = []
+            run = -1  # the first piece of the open run
+            for p in shard.pieces:
+                end = p.offset + p.nbytes
+                if p.nbytes >= _RUN_PIECE_BYTES or p.chunk is not None:
+                    if run >= 0:
+                        steps.append((run, at, p.offset))
+                        run = -1
+                    steps.append((at, -1, end))
+                elif run < 0:
+                    run, start = at, p.offset
+                elif end - start > _FEED_BYTES:
+                    steps.append((run, at, p.offset))
+                    run, start = at, p.offset
+                at += 1
+            if run >= 0:
+                steps.append((run, at, shard.pieces[-1].offset + shard.pieces[-1].nbytes))
+            plan.append(steps)
+        wave.__dict__["_fed_plan"] = plan
+    return plan
+
+
+@torch.no_grad()
 def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
                   feed: Callable[[int, memoryview], None], pool: concurrent.futures.Executor) -> bool:
-    """Copy wave ``wave_index`` into ``slab`` shard by shard on ``pool``'s threads (``memmove``,
-    which releases the GIL; large pieces in chunks), handing the slab bytes to ``feed(shard index,
-    bytes)`` in file order each time about ``_FEED_BYTES`` have landed, while still in the cache
-    (a checksum then costs little more than the copy).
+    """Copy wave ``wave_index`` into ``slab`` shard by shard on ``pool``'s threads, handing the slab
+    bytes to ``feed(shard index, bytes)`` in file order each time about ``_FEED_BYTES`` have landed,
+    while still in the cache (a checksum then costs little more than the copy). A large piece is
+    copied with ``memmove`` in chunks; a run of small ones with one ``torch._foreach_copy_`` (both
+    release the GIL): from Python, a call per small tensor costs more than its copy.
 
-    Only for CPU leaves whose memory is contiguous; False, nothing copied, for any other state:
+    Only for CPU leaves, the large ones contiguous; False, nothing copied, for any other state:
     copy it with ``copy_wave`` and read it after.
     """
     wave = layout.waves[wave_index]
     sources = flat.sources
-    if flat.on_cuda or any(not sources[p.leaf].is_contiguous() for s in wave.shards for p in s.pieces):
+    if flat.on_cuda:
         return False
+    plan = _fed_plan(layout, wave_index)
+    pieces = wave.__dict__.setdefault("_pieces", [p for s in wave.shards for p in s.pieces])
+    if any(not sources[pieces[i].leaf].is_contiguous() for steps in plan for i, end, _ in steps if end < 0):
+        return False
+    views = _views(slab, layout, wave_index, wave)
     base = slab.tensor.data_ptr()
     view = memoryview(slab.segment.mmap)
 
     def one_shard(index: int) -> None:
-        pieces = wave.shards[index].pieces
-        fed = pieces[0].offset if pieces else 0  # INVARIANT: a shard's pieces tile its slab range in order
-        for p in pieces:
+        steps = plan[index]
+        fed = wave.shards[index].pieces[0].offset if steps else 0
+        for first, end, end_byte in steps:
+            if end >= 0:  # a run of small pieces
+                torch._foreach_copy_(views[first:end], [sources[p.leaf] for p in pieces[first:end]])
+                if end_byte - fed >= _FEED_BYTES:
+                    feed(index, view[fed:end_byte])
+                    fed = end_byte
+                continue
+            p = pieces[first]
             src = sources[p.leaf].data_ptr() + (p.chunk[0] * p.itemsize if p.chunk else 0)
             for at in range(0, p.nbytes, _FEED_BYTES):
                 n = min(_FEED_BYTES, p.nbytes - at)
                 ctypes.memmove(base + p.offset + at, src + at, n)
-                end = p.offset + at + n
-                if end - fed >= _FEED_BYTES:
-                    feed(index, view[fed:end])
-                    fed = end
-        if pieces and fed < pieces[-1].offset + pieces[-1].nbytes:
-            feed(index, view[fed:pieces[-1].offset + pieces[-1].nbytes])
+                if p.offset + at + n - fed >= _FEED_BYTES:
+                    feed(index, view[fed:p.offset + at + n])
+                    fed = p.offset + at + n
+        if steps and fed < steps[-1][2]:
+            feed(index, view[fed:steps[-1][2]])
 
     try:
         for done in [pool.submit(one_shard, i) for i in range(len(wave.shards))]:

@@ -22,7 +22,6 @@ staging folders are the commit side's), and the committer writes the skeleton an
 from __future__ import annotations
 
 import functools
-import json
 import time
 import warnings
 from collections.abc import Callable
@@ -39,13 +38,13 @@ from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
+from mpckpt._stage.skeleton_text import SkeletonText
 from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.errors import ConfigError
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
-from mpckpt.format.skeleton import SKELETON_VERSION
 
 
 @dataclass(eq=False)
@@ -61,6 +60,7 @@ class Snapshotter:
     layouts: LayoutCache = field(init=False)
     frozen: FrozenShards = field(init=False)
     memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
+    skeleton: SkeletonText = field(default_factory=SkeletonText, init=False)  # skeleton.json's bytes
     planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
     keeper: Any = None   # keeps the newest complete snapshot in memory (``_keep.keeper.Keeper``)
     _copier: BackgroundCopier | None = field(default=None, init=False)
@@ -110,7 +110,7 @@ class Snapshotter:
                 self.ledger.add_small_file(record, rank_skeleton_name(group.rank), lambda: rank_skeleton_bytes(
                     flat, layout, plan, record.blocks, rank=group.rank, world_size=group.world_size))
             else:
-                self.ledger.add_small_file(record, SKELETON_NAME, lambda: skeleton_bytes(flat, layout))
+                self.ledger.add_small_file(record, SKELETON_NAME, lambda: self.skeleton(flat, layout))
             reuse = self.frozen.reuse_unchanged(record, flat, layout)
             stats.written_bytes = sum(len(s.header) + s.nbytes for w in layout.waves for s in w.shards
                                       if s.filename not in reuse.files)
@@ -163,7 +163,7 @@ class Snapshotter:
             small_name = SKELETON_NAME
 
             def small(blocks: dict[str, list[str]]) -> bytes:
-                return skeleton_bytes(flat, layout)
+                return self.skeleton(flat, layout)
         copies = self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
                                   small_name=small_name, small=small,
                                   block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed)
@@ -288,15 +288,3 @@ class Snapshotter:
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.prepare_staging(record.staging))
 
-
-def skeleton_bytes(flat: FlatState, layout: Layout) -> bytes:
-    """The JSON skeleton of one save: tree, tensor table and where each leaf's bytes are."""
-    from mpckpt._dtypes import dtype_name
-
-    leaves = [
-        {"name": leaf.name, "dtype": dtype_name(leaf.dtype), "shape": list(leaf.shape), "raw": leaf.raw,
-         "parts": [list(p) for p in layout.parts.get(i, [])]}
-        for i, leaf in enumerate(flat.leaves)
-    ]
-    doc = {"version": SKELETON_VERSION, "tree": flat.tree, "table": flat.table, "leaves": leaves}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()

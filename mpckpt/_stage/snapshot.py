@@ -30,7 +30,7 @@ and those of ``values``: ``ndarray``, ``npscalar``, ``namedtuple``,
 from __future__ import annotations
 
 import base64
-import dataclasses
+import collections
 import math
 import pickle
 from dataclasses import dataclass
@@ -42,10 +42,12 @@ from mpckpt import _dtypes
 from mpckpt._codec import values as _values
 from mpckpt._codec.values import TAG, path_of
 from mpckpt._dist.dtensor import PlacedShard, ShardInfo, is_dtensor, shard_info
+from mpckpt._stage.recall import _DIRECT, _RAW, _VIA_REAL, FlattenMemo, Recall, _byte_range
 from mpckpt.errors import StateError
 from mpckpt.per_rank import PerRank
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = frozenset({int, str, bool, type(None)})  # a list of only these is its own node
 _KEY_TYPES = (str, int, float, bool, type(None))
 _SHOWN_REFUSED = 3  # refused keys named in the error, of how many there are
 
@@ -103,9 +105,10 @@ class FlatState:
 class _Flattener:
     """The walk: the skeleton tree, and every distinct tensor object (a *row*) in visit order."""
 
-    def __init__(self, allow_pickle: bool, distributed: bool = False) -> None:
+    def __init__(self, allow_pickle: bool, distributed: bool = False, recall: Recall | None = None) -> None:
         self.allow_pickle = allow_pickle
         self.distributed = distributed
+        self.recall = None if distributed else recall  # the last walk's nodes a repeated save takes over
         self.per_rank_depth = 0
         self.per_rank_count = 0
         self.local_rows: set[int] = set()  # rows first seen under a PerRank
@@ -126,6 +129,8 @@ class _Flattener:
             return self.per_rank(value, path)
         if type(value) is PlacedShard:
             return self.placed(value, path)
+        if type(value) is collections.OrderedDict:  # a state dict: ``values``' odict node, made here
+            return self.container(value, path, lambda v, p: self.mapping(v, p, "odict"))
         if type(value) not in _values.PLAIN:  # first: IntEnum, numpy.float64, OrderedDict keep their type
             node = _values.encode(self, value, path)
             if node is not NotImplemented:
@@ -145,11 +150,13 @@ class _Flattener:
         if isinstance(value, dict):
             return self.container(value, path, self.mapping)
         if isinstance(value, list):
+            if type(value) is list and set(map(type, value)) <= _SCALARS:  # a param group's "params"
+                return list(value)
             return self.container(value, path, lambda v, p: [self.visit(x, path_of(p, i)) for i, x in enumerate(v)])
         if type(value) is tuple:
             return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, path_of(p, i)) for i, x in enumerate(v)]})
         if isinstance(value, torch.nn.Module):
-            self.frozen_ptrs.update(p.data_ptr() for p in value.parameters() if not p.requires_grad)
+            return self.module(value, path)
         state_dict = getattr(value, "state_dict", None)
         if callable(state_dict) and not isinstance(value, type):
             return self.container(value, path, lambda v, p: self.visit(v.state_dict(), p))
@@ -164,7 +171,20 @@ class _Flattener:
         finally:
             self.active.discard(id(value))
 
-    def mapping(self, value: dict, path: str) -> dict[str, Any]:
+    def module(self, value: torch.nn.Module, path: str) -> Any:
+        node = None if self.recall is None else self.recall.module(self, value, path)
+        if node is not None:
+            return node
+        row = len(self.rows)
+        self.frozen_ptrs.update(p.data_ptr() for p in value.parameters() if not p.requires_grad)
+        node = self.container(value, path, lambda v, p: self.visit(v.state_dict(), p))
+        return node if self.recall is None else self.recall.learn_module(self, value, path, row, node)
+
+    def mapping(self, value: dict, path: str, tag: str = "dict") -> dict[str, Any]:
+        taken = None if self.recall is None else self.recall.tensors(self, value, path, tag)
+        if taken is not None:
+            return taken
+        row = len(self.rows)
         keys, vals = [], []
         for k, v in value.items():
             if not isinstance(k, _KEY_TYPES) or (isinstance(k, float) and not math.isfinite(k)):
@@ -175,7 +195,10 @@ class _Flattener:
                 )
             keys.append(k)
             vals.append(self.visit(v, path_of(path, k)))
-        return {TAG: "dict", "k": keys, "v": vals}
+        node: dict[str, Any] = {TAG: tag, "k": keys, "v": vals}
+        if self.recall is None or self.refused:
+            return node
+        return self.recall.learn_tensors(self, value, path, tag, row, node)
 
     def fallback(self, value: Any, path: str) -> Any:
         if not self.allow_pickle:
@@ -345,96 +368,6 @@ def _end_byte(t: torch.Tensor) -> int:
     return int((t.storage_offset() + last + 1) * t.element_size())
 
 
-_DIRECT, _VIA_REAL, _RAW = 0, 1, 2  # how a leaf's source is made from its row's tensor
-
-
-def _byte_range(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Bytes ``start`` to ``start + length`` of ``t``'s storage as a uint8 tensor."""
-    base = torch.empty(0, dtype=torch.uint8, device=t.device)
-    base.set_(t.untyped_storage(), start, (length,), (1,))
-    return base
-
-
-def _row_signatures(rows: list[torch.Tensor]) -> list[tuple[Any, ...]] | None:
-    """What the table and leaves of ``rows`` depend on, per row; None if a row has no plain
-    strided memory (the full checks then say what is wrong with it).
-
-    Storage groups, shared byte ranges, views and frozen leaves are functions of these
-    figures alone (a storage's base address is ``data_ptr - storage_offset * itemsize``), so
-    equal signatures give an equal table whichever storage objects the addresses belong to now.
-    """
-    try:
-        if torch.cuda.is_available():
-            return [(type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset(), t.device)
-                    for t in rows]
-        return [(type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset()) for t in rows]
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, ...: no strides
-        return None
-
-
-@dataclass
-class _Remembered:
-    signatures: list[tuple[Any, ...]]
-    paths: list[str]
-    frozen_ptrs: set[int]
-    local_rows: set[int]
-    dmeta: list[tuple[Any, ...]]
-    flat: FlatState  # with its sources dropped: the memo keeps no tensor alive
-    recipes: list[tuple[int, int, int, int]]
-    direct_rows: list[int] | None  # when every leaf is its row's tensor as it is
-
-
-class FlattenMemo:
-    """What the last flatten of one checkpointer concluded about its tensors.
-
-    A training loop saves the same tensors again and again: the same storages, dtypes,
-    shapes and key paths, only new values. When a walk finds exactly that again, the checks,
-    storage grouping, names and layout key are reused and only the sources are rebound to
-    this walk's tensor objects (``state_dict()`` makes new ones each time), which keeps the
-    per-tensor cost of a repeated save near that of the walk itself.
-    """
-
-    def __init__(self) -> None:
-        self._last: _Remembered | None = None
-
-    def reuse(self, f: _Flattener, tree: Any) -> FlatState | None:
-        """The flat state of this walk from the memo, or None when anything differs."""
-        last = self._last
-        if last is None or len(f.rows) != len(last.signatures) or f.frozen_ptrs != last.frozen_ptrs:
-            return None
-        if f.local_rows != last.local_rows or f.dmeta != last.dmeta:
-            return None
-        if _row_signatures(f.rows) != last.signatures or f.paths != last.paths:
-            return None
-        rows = f.rows
-        if last.direct_rows is not None:
-            sources = [rows[r] for r in last.direct_rows]
-        else:
-            sources = [_rebind(rows[row], how, start, length) for row, how, start, length in last.recipes]
-        flat = last.flat
-        return FlatState(tree, flat.leaves, sources, flat.table, flat.frozen, flat.on_cuda, flat.nbytes, flat.key,
-                         flat.dist)
-
-    def remember(self, f: _Flattener, tab: _Tabulator, flat: FlatState) -> None:
-        signatures = _row_signatures(f.rows)
-        if signatures is None:
-            self._last = None
-            return
-        direct = all(how == _DIRECT for _, how, _, _ in tab.recipes)
-        kept = dataclasses.replace(flat, tree=None, sources=[])
-        self._last = _Remembered(signatures, f.paths, f.frozen_ptrs, set(f.local_rows), list(f.dmeta), kept,
-                                 tab.recipes,
-                                 [row for row, _, _, _ in tab.recipes] if direct else None)
-
-
-def _rebind(t: torch.Tensor, how: int, start: int, length: int) -> torch.Tensor:
-    if how == _DIRECT:
-        return t
-    if how == _VIA_REAL:
-        return _dtypes.storage_view(t)[0]
-    return _byte_range(t, start, length)
-
-
 def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None = None,
             distributed: bool = False) -> FlatState:
     """Split ``state`` into a skeleton tree and the tensors to store; raises ``StateError``.
@@ -445,12 +378,16 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: FlattenMemo | None 
     """
     if state is None:
         raise StateError("state is None; pass a dict such as {'model': model, 'optim': optimizer}")
-    f = _Flattener(allow_pickle, distributed)
+    recall = None if memo is None else memo.recall
+    f = _Flattener(allow_pickle, distributed, recall)
+    if recall is not None:
+        recall.begin()
     tree = f.visit(state, "")
     refused = f.refusal()
     if refused is not None:
         raise refused
     if memo is not None:
+        memo.recall.done()
         flat = memo.reuse(f, tree)
         if flat is not None:
             return flat
