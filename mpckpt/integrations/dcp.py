@@ -51,6 +51,7 @@ from mpckpt.integrations._dcp_view import CheckpointView
 
 __all__ = ["StorageReader", "StorageWriter"]
 
+
 class _Saving:
     """What the DCP saves of one Checkpointer share: one save at a time, and the items this rank held
     at its last save (DCP's plan cache sends an empty local plan when nothing changed)."""
