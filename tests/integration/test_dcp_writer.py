@@ -10,8 +10,8 @@ real processes (torchrun, gloo on CPU) and real servers (moto's S3, Azurite).
   mpckpt's own ``ckpt.save`` loaded through DCP at both sizes.
 - A rank SIGKILLed inside DCP's save: the step never commits.
 - S3 (moto) and Azure (Azurite) through the writer and the reader.
-- What is refused: the process executor (pickling the writer), a ``checkpoint_id`` naming no step,
-  ranks holding different keys.
+- What is refused: DCP's process executor (its future fails with an error naming the thread executor),
+  a ``checkpoint_id`` naming no step, ranks holding different keys.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import json
 import pickle
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -138,6 +139,34 @@ def test_what_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="rank 1 has 'b', rank 0 has not"):
         check_same_keys([("d0", ["a"]), ("d1", ["a", "b"])])
     check_same_keys([("d0", ["a"]), None, ("d0", ["a"])])
+
+
+_PROCESS_EXECUTOR = """
+import sys, torch, torch.distributed as dist, mpckpt
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from mpckpt.integrations.dcp import StorageWriter
+if __name__ == "__main__":  # DCP's checkpoint process is spawned: it imports this file again
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    with mpckpt.Checkpointer(sys.argv[1], workers=1) as ckpt:
+        future = dcp.async_save({"x": torch.ones(3)}, storage_writer=StorageWriter(ckpt, 1),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        try:
+            future.result(timeout=120)
+        except Exception as e:
+            print("refused:", type(e).__name__, e)
+        print("steps:", ckpt.steps())
+    dist.destroy_process_group()
+"""
+
+
+def test_dcp_process_executor_gets_an_error_naming_the_thread_executor(tmp_path):
+    script = tmp_path / "process_executor.py"
+    script.write_text(_PROCESS_EXECUTOR)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "root"), str(tmp_path / "store")],
+                          env=worker_env(), capture_output=True, text=True, timeout=240)
+    assert "refused: ConfigError" in done.stdout and "thread executor" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "steps: []" in done.stdout
 
 
 # -- storage backends ------------------------------------------------------------------------------
