@@ -2,7 +2,8 @@
 
 This module owns the bytes of a ``checkpoint-N`` folder as the Trainer writes and reads it
 (``model.safetensors``, ``config.json``, ``generation_config.json``, ``training_args.bin``,
-``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``), and what of the
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and, of a job, ``rng_state_<rank>.pth``,
+``trainer_state.json``), and what of the
 model and the arguments goes into a save so that such a folder can be written later from storage
 alone (``model_files``), and the best checkpoint's folder that ``best_model_checkpoint`` names
 (``BestFolder``: written by a thread from storage once the step is committed).
@@ -38,6 +39,7 @@ log = logging.getLogger("mpckpt")
 
 # the keys of a save that hold the model's and the run's description, not training state
 CONFIG, GENERATION_CONFIG, TRAINING_ARGS = "config", "generation_config", "training_args"
+RANKS_RNG = "rng_ranks"  # under DDP: every rank's RNGState, in rank order (rng_state_<rank>.pth)
 FOLDER = re.compile(r"^\.?checkpoint-(\d+)(\..*)?$")  # a checkpoint folder, or one being written (write_folder)
 
 
@@ -91,6 +93,8 @@ def write_folder(state: Mapping[str, Any], folder: str, *, training: bool = True
             torch.save(state["scheduler"], os.path.join(staging, "scheduler.pt"))
         if training and "rng" in state:
             torch.save(_hf_rng(state["rng"]), os.path.join(staging, "rng_state.pth"))
+        for rank, rng in enumerate((state.get(RANKS_RNG) or []) if training else []):  # a job's: every rank's
+            torch.save(_hf_rng(rng), os.path.join(staging, f"rng_state_{rank}.pth"))
         with open(os.path.join(staging, "trainer_state.json"), "w", encoding="utf-8") as f:
             json.dump(json.loads(state["trainer_state"]), f, indent=2, sort_keys=True)
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):

@@ -51,15 +51,16 @@ Trainer's own layout, so the Trainer's own resume (model, optimizer, scheduler, 
 right moment of the epoch, the data skipped) runs unchanged and is as exact as with its own
 folders. ``None`` when the root has no checkpoint yet, so the same line starts a fresh run.
 
-Limits: one process saves (``args.should_save``, rank 0; under DDP only rank 0's generators
-are saved and ``rng_state_<rank>.pth`` is not written); DeepSpeed and FSDP keep their own
-checkpoint formats and are refused; the AMP grad scaler and ``total_flos`` counted since the
-last log are not in the state (callbacks do not see them); callbacks' ``on_save`` is not called
-(the Trainer calls it after its own save only), and ``push_to_hub`` of checkpoints does not
-happen. The states of ``ExportableState`` callbacks are read from the Trainer's callback
-handler, found on the call stack (callbacks are not handed it); where it is not found, only
-``TrainerControl``'s state is refreshed. After the first optimizer step the callback makes the
-shared memory of the saves once (``Checkpointer.prepare``), so every save is a copy only.
+Limits: one process saves (``args.should_save``, rank 0; under DDP every rank's generators are
+gathered to it at each save, and ``resume_path`` writes each rank's ``rng_state_<rank>.pth``);
+DeepSpeed and FSDP are refused (the Trainer saves them outside what a callback sees); the AMP
+grad scaler and ``total_flos`` counted since the last log are not in the state; callbacks'
+``on_save`` is not called (the Trainer calls it after its own save only), and ``push_to_hub`` of
+checkpoints does not happen. The states of ``ExportableState`` callbacks are read from the
+Trainer's callback handler, found on the call stack (callbacks are not handed it); where it is
+not found, only ``TrainerControl``'s state is refreshed. After the first optimizer step the
+callback makes the shared memory of the saves once (``Checkpointer.prepare``), so every save is
+a copy only.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ _transformers = require("transformers", "transformers")
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 from mpckpt.integrations._transformers_folder import FOLDER, BestFolder, model_files, write_folder  # noqa: E402
+from mpckpt.integrations._transformers_folder import RANKS_RNG as _RANKS_RNG  # noqa: E402
 
 log = logging.getLogger("mpckpt")
 
@@ -243,7 +245,10 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             # after the first optimizer step the optimizer has its state: make the shared memory of
             # the saves now, once, so that every save is a copy only (mpckpt's prepare())
             self._prepared = True
-            self.checkpointer.prepare(self._state(args, state, control, kwargs, len(state.log_history))[0])
+            snapshot = self._state(args, state, control, kwargs, len(state.log_history))[0]
+            if not args.save_only_model and args.world_size > 1:  # the sizes of the ranks' generators
+                snapshot[_RANKS_RNG] = [mpckpt.RNGState().state_dict()] * args.world_size
+            self.checkpointer.prepare(snapshot)
         self._claim(state, control)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -281,6 +286,8 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         if self._pending is None:
             return
         claimed_at, self._pending = self._pending, None
+        # every rank's generators, gathered on every rank at the same event (rank 0 saves them)
+        ranks = None if args.save_only_model else _ranks_rng()
         step = int(state.global_step)
         if self.checkpointer is None or self._last_saved is not None and step <= self._last_saved:
             return  # another process saves; or this step is saved already (a step save, then an epoch save)
@@ -288,6 +295,8 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         if best is not None and (best == step or best in self._saved):
             self._best_saved(state, int(best))  # the Trainer records the folder before its trainer_state.json
         snapshot, callbacks = self._state(args, state, control, kwargs, claimed_at)
+        if ranks is not None:
+            snapshot[_RANKS_RNG] = ranks
         metrics = {"epoch": float(state.epoch or 0.0), **self._eval_metrics.get(step, {})}
         self._eval_metrics = {s: m for s, m in self._eval_metrics.items() if s > step}
         future = self.checkpointer.save(step, snapshot, metrics=metrics, mode=self.mode, force=True)
@@ -340,11 +349,28 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         log.info("mpckpt: loaded the best model (step %s, %s=%s)", best, "best_metric", state.best_metric)
 
 
+def _ranks_rng() -> list[dict[str, Any]] | None:
+    """Every rank's ``RNGState`` on rank 0, in rank order (None elsewhere, and in one process)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mpckpt.RNGState().state_dict(), gathered, dst=0)
+    return gathered
+
+
 def _check_supported(args: TrainingArguments) -> None:
-    for flag, what in (("deepspeed", "DeepSpeed"), ("fsdp", "FSDP")):
-        if getattr(args, flag, None):
-            raise ConfigError(f"MpckptCallback does not save {what} checkpoints (they keep a format of their own); "
-                              "let the Trainer save them, or train without it")
+    if getattr(args, "deepspeed", None):
+        raise ConfigError("MpckptCallback does not save DeepSpeed checkpoints (they keep a format of their own); "
+                          "let the Trainer save them, or train without it")
+    if getattr(args, "fsdp", None):
+        raise ConfigError("MpckptCallback does not take FSDP saves over: with accelerate's FSDP plugin the Trainer "
+                          "saves with torch.distributed.checkpoint on every rank (SHARDED_STATE_DICT) or gathers the "
+                          "state (FULL_STATE_DICT), and resume_path writes no folder of that layout. Ways on: let the "
+                          "Trainer save them (no MpckptCallback); DDP, which MpckptCallback saves (every rank's "
+                          "generators too); FSDP2 in a loop of your own, saved with dcp.save through "
+                          "mpckpt.integrations.dcp.StorageWriter; in Lightning, "
+                          "mpckpt.integrations.lightning_dcp.MpckptFSDPStrategy")
 
 
 def _retention(args: TrainingArguments) -> mpckpt.RetentionPolicy | None:
