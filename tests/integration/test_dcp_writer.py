@@ -61,7 +61,8 @@ def test_one_process_saves_and_loads_bit_exactly_as_an_ordinary_checkpoint(tmp_p
     root = tmp_path / "root"
     model, opt = _trained(0)
     saved = _state(model, opt, 3)
-    with mpckpt.Checkpointer(root, workers=1, keep=mpckpt.KeepLast(1)) as ckpt:
+    with mpckpt.Checkpointer(root, workers=1, keep=mpckpt.KeepLast(1), trigger=mpckpt.EveryNSteps(1000)) as ckpt:
+        assert not ckpt.should_save(10)  # the trigger is asked before DCP is called; a DCP save always saves
         dcp.save(saved, storage_writer=StorageWriter(ckpt, 10))
         assert ckpt.steps() == [10]
         train_step(model, opt, 1)
