@@ -168,51 +168,66 @@ class Chaos:
 
     # -- one failure ----------------------------------------------------------------------------------------------
     def inject(self, f: gf.Failure, cluster: Any, rng: Any) -> None:
-        f.last_step = self.last_step()
-        f.at = time.time()
-        print(f"  [{self.strategy}] t={f.at - self.launches[0]:6.1f}s #{f.index} {f.kind} target={f.target} "
+        f.last_step, f.at, before = self.last_step(), time.time(), self.launch_no
+        print(f"  [{self.strategy}] t={f.at - self.launches[0]:6.1f}s #{f.index} {f.kind} {f.compound} target={f.target} "
               f"window={f.window_s}s at step {f.last_step}", file=sys.stderr, flush=True)
         if f.kind in gf.HARD:
-            self.hard(f, cluster)
-            resumed = self.watch(0, cluster, resume_after=f.at)
-            assert resumed is not None
-            restored = [self.last("restored", r) for r in range(NODES)]
-            deadline = time.monotonic() + 5  # the other rank's line may come a moment later
-            while None in restored and time.monotonic() < deadline:
-                time.sleep(0.05)
-                self.tail.read()
-                restored = [self.last("restored", r) for r in range(NODES)]
-            f.restored_step = restored[0]["step"] if restored[0] else None
-            f.sources = [r["source"] if r else None for r in restored]
-            f.steps_lost = (f.last_step if f.last_step is not None else -1) - (
-                f.restored_step if f.restored_step is not None else -1)
-            f.recovery_s = resumed - f.at
-            return
+            self.hard(f, f.kind, cluster)
+            if f.compound == "in_restart":
+                self.watch(time.time() + f.param, cluster)
+                f.notes.append(f"{f.kind} again {f.param} s after the relaunch")
+                self.hard(f, f.kind, cluster)
+            return self.resumed(f, cluster, before)
+        f.steps_lost, f.recovery_s = 0, None
         if f.kind == "uploader_kill":
             path = self.out / f"uploaders-r{f.target}.json"
             pids = json.loads(path.read_text()) if path.exists() else []
             if not pids:
                 f.skipped = "no uploader process (this strategy has none)"
-                return
+                return None
             try:
                 os.kill(rng.choice(pids), signal.SIGKILL)
             except ProcessLookupError:
                 f.notes.append("the uploader had ended already")
-        elif f.kind in gf.SOFT_S3 and self.proxy is None or f.kind in gf.SOFT_DISK and self.disk is None:
+            return None
+        if f.kind in gf.SOFT_S3 and self.proxy is None or f.kind in gf.SOFT_DISK and self.disk is None:
             f.skipped = "not available for this storage"
-            return
-        else:
-            gf.start_soft(f, proxy=self.proxy, disk=self.disk)
-            try:
-                self.watch(f.at + f.window_s, cluster)
-            finally:
-                gf.end_soft(f, proxy=self.proxy, disk=self.disk)
-        f.steps_lost = 0
-        f.recovery_s = None
+            return None
+        gf.start_soft(f, proxy=self.proxy, disk=self.disk)
+        try:
+            if f.compound == "kill_during":
+                self.watch(f.at + f.window_s / 3, cluster)
+                f.notes.append(f"rank {f.target} killed {f.window_s / 3:.1f} s into the outage")
+                self.hard(f, "rank_kill", cluster)
+            self.watch(f.at + f.window_s, cluster)
+        finally:
+            gf.end_soft(f, proxy=self.proxy, disk=self.disk)
+        if f.compound == "kill_during":
+            self.resumed(f, cluster, before)
+        return None
 
-    def hard(self, f: gf.Failure, cluster: Any) -> None:
+    def resumed(self, f: gf.Failure, cluster: Any, before: int) -> None:
+        """After a failure that ended the job: when it trained again, from which step and source, what it lost."""
+        resumed = self.watch(0, cluster, resume_after=f.at)
+        assert resumed is not None
+        restored = [self.last("restored", r) for r in range(NODES)]
+        deadline = time.monotonic() + 5  # the other rank's line may come a moment later
+        while None in restored and time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.tail.read()
+            restored = [self.last("restored", r) for r in range(NODES)]
+        trained = [e["step"] for e in self.tail.events if e["event"] == "step" and e["rank"] == 0
+                   and before <= self.launch_of(e) < self.launch_no]  # a preempted job's last step included
+        f.last_step = max(trained, default=f.last_step)
+        f.restored_step = restored[0]["step"] if restored[0] else None
+        f.sources = [r["source"] if r else None for r in restored]
+        f.steps_lost = (f.last_step if f.last_step is not None else -1) - (
+            f.restored_step if f.restored_step is not None else -1)
+        f.recovery_s = resumed - f.at
+
+    def hard(self, f: gf.Failure, kind: str, cluster: Any) -> None:
         assert self.job is not None
-        if f.kind == "rank_kill":
+        if kind == "rank_kill":
             start = self.last("start", f.target)
             if start is not None:
                 try:
@@ -220,11 +235,11 @@ class Chaos:
                 except ProcessLookupError:
                     f.notes.append("the rank had ended already")
             self.job.kill()  # torchrun without restarts stops the job; the scheduler relaunches it
-        elif f.kind == "node_loss":
+        elif kind == "node_loss":
             cluster.nodes[f.target].lose()
             self.job.kill()
             cluster.replace(f.target)
-        elif f.kind == "preempt":
+        elif kind == "preempt":
             for r in range(NODES):
                 start = self.last("start", r)
                 if start is not None:

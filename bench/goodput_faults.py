@@ -6,6 +6,10 @@ as the others), with the wait before each (``gap_s``, counted from the moment th
 the target (rank or node) and, for the failures that last, the window. The same seed gives the same
 schedule to every strategy.
 
+Some failures come in pairs, as they do in clusters: a rank or node killed again while the relaunched
+job starts and restores (``in_restart``), a rank killed during a storage outage, so that the relaunched
+job restores while storage is out (``kill_during``).
+
 Kinds that end the job (the bench relaunches it on the same nodes, a fresh one in place of a lost
 node, as a scheduler would): ``rank_kill`` (SIGKILL of one training process; the job is then killed,
 as torchrun without restarts does), ``node_loss`` (every process of a node and its ``/dev/shm``),
@@ -40,6 +44,8 @@ class Failure:
     window_s: float = 0.0   # how long a storage or disk failure lasts
     param: float = 0.0      # latency per request s (storage_latency), per file s (disk_slow)
     variant: str = ""       # storage_outage: reset | http_503
+    compound: str = ""      # in_restart: killed again ``param`` s after the relaunch; kill_during: a rank killed
+                            # a third into a storage outage, so the relaunched job restores during it
     # what happened (filled in by the run)
     at: float | None = None
     skipped: str | None = None
@@ -77,6 +83,9 @@ def draw(seed: int, kinds: list[str], count: int, *, world: int, nodes: int, gap
                 f.param = round(rng.uniform(0.2, 1.0), 2)
             elif kind == "storage_outage":
                 f.variant = rng.choice(["reset", "http_503"])
+                f.compound = "kill_during" if rng.random() < 0.4 else ""
+            if kind in ("rank_kill", "node_loss") and rng.random() < 0.4:
+                f.compound, f.param = "in_restart", round(rng.uniform(0.5, 6.0), 2)
             if kind not in ("storage_outage", "storage_latency", "disk_full", "disk_slow"):
                 f.window_s = 0.0
             out.append(f)

@@ -144,7 +144,7 @@ def summarize(run: dict[str, Any], ref: dict[str, Any], read_options: dict[str, 
     s["by_kind"] = {k: {"n": len(fs), "lost_med": _med([f["steps_lost"] for f in fs]),
                         "lost_max": max((f["steps_lost"] or 0) for f in fs),
                         "recovery_med": _med([f["recovery_s"] for f in fs]),
-                        "recovery_max": max((f["recovery_s"] or 0) for f in fs) if fs[0]["recovery_s"] is not None else None,
+                        "recovery_max": max((f["recovery_s"] for f in fs if f["recovery_s"] is not None), default=None),
                         "sources": dict(Counter(src for f in fs for src in f["sources"]))}
                     for k, fs in sorted(by_kind.items())}
     return s
