@@ -307,7 +307,8 @@ class MpckptModelParallelStrategy(_ShardedSaves, ModelParallelStrategy):  # type
         module_state = {self._MODEL_KEY: get_model_state_dict(self.model)}
         load(module_state, storage_reader=StorageReader(ckpt, step))
         self.model.load_state_dict(module_state[self._MODEL_KEY], strict=self.lightning_module.strict_loading)
-        for idx, optim in enumerate(self.optimizers):
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        for idx, optim in enumerate(self.optimizers if fitting else []):  # (test() after fit() keeps fit's)
             key = f"optimizer_{idx}"
             state = {key: get_optimizer_state_dict(self.model, optim)}
             load(state, storage_reader=StorageReader(ckpt, step))

@@ -5,7 +5,8 @@ One job (this file run as a script; Lightning relaunches it for rank 1), for FSD
 2 epochs, then a new Trainer resumes from ``"last"`` for 2 more, every save a ``dcp.save``
 through mpckpt's ``StorageWriter``. The test compares each rank's parameters and optimizer
 state at the end of the first run with what the resumed run starts from (``torch.equal``), and
-checks the root: one committed step per file ``ModelCheckpoint`` keeps, each ``.ckpt`` path a
+the parameters a fresh model gets from ``test(Net(), ckpt_path="best")`` with the end of the run,
+and checks the root: one committed step per file ``ModelCheckpoint`` keeps, each ``.ckpt`` path a
 sharded pointer, the steps readable as full tensors by ``mpckpt.load``.
 """
 
@@ -40,14 +41,21 @@ class Net(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
     def configure_model(self) -> None:
-        if not isinstance(self.trainer.strategy, MpckptModelParallelStrategy):
-            return
+        if not isinstance(self.trainer.strategy, MpckptModelParallelStrategy) or getattr(self, "_sharded", False):
+            return  # (test() after fit() calls it again)
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         for layer in (self.net[0], self.net[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
+        self._sharded = True
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> None:
+        self.log("test_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
         x, y = batch
@@ -65,13 +73,16 @@ class Net(L.LightningModule):
 
 
 class _Started(Callback):
-    """Writes this rank's state as the resumed run starts from it (after the restore)."""
+    """Writes this rank's state as the resumed run (``fit``, then ``test``) starts from it (after the restore)."""
 
     def __init__(self, to: str) -> None:
         self.to = to
 
     def on_train_start(self, trainer: object, module: object) -> None:
-        torch.save(_local_state(trainer), self.to)
+        torch.save(_local_state(trainer), self.to.format("resumed"))
+
+    def on_test_start(self, trainer: object, module: object) -> None:
+        torch.save(_local_state(trainer), self.to.format("tested"))
 
 
 def _fit(kind: str, dirpath: str, epochs: int, ckpt_path: str | None = None, started: str | None = None) -> object:
@@ -88,22 +99,30 @@ def _fit(kind: str, dirpath: str, epochs: int, ckpt_path: str | None = None, sta
 
 def _local_state(t: object) -> dict[str, object]:
     """This rank's shard of the parameters and its optimizer state."""
+    params = [p.detach().clone() for p in _local_params(t)]
+    opts = t.optimizers  # type: ignore[attr-defined]
+    return {"params": params, "optim": opts[0].state_dict() if opts else None}
+
+
+def _local_params(t: object) -> list[torch.Tensor]:
+    """This rank's shard of the parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    model, opt = t.strategy.model, t.optimizers[0]  # type: ignore[attr-defined]
+    model = t.strategy.model  # type: ignore[attr-defined]
     if isinstance(t.strategy, MpckptFSDPStrategy):  # type: ignore[attr-defined]
         # FSDP1's flat shards (the original parameters are views FSDP points at them before a forward)
-        params = [m._flat_param.detach().clone() for m in FSDP.fsdp_modules(model) if m._flat_param is not None]
-    else:
-        params = [p.to_local().detach().clone() for p in model.parameters()]
-    return {"params": params, "optim": opt.state_dict()}
+        return [m._flat_param for m in FSDP.fsdp_modules(model) if m._flat_param is not None]
+    return [p.to_local() for p in model.parameters()]
 
 
 def _job(kind: str, out: str) -> None:
     t = _fit(kind, out, 2)
     rank = t.global_rank  # type: ignore[attr-defined]
     torch.save(_local_state(t), os.path.join(out, f"saved_{rank}.pt"))
-    t = _fit(kind, out, 4, ckpt_path="last", started=os.path.join(out, f"resumed_{rank}.pt"))
+    t = _fit(kind, out, 4, ckpt_path="last", started=os.path.join(out, f"{{}}_{rank}.pt"))
+    torch.save(_local_state(t), os.path.join(out, f"end_{rank}.pt"))
+    # a fresh model (its own initial weights): test() loads the best file, the newest epoch's, into it
+    t.test(Net(), ckpt_path="best", verbose=False)  # type: ignore[attr-defined]
     if rank == 0:
         with open(os.path.join(out, "done.json"), "w") as f:
             json.dump({"global_step": t.global_step, "best": t.checkpoint_callback.best_model_path}, f)  # type: ignore
@@ -141,6 +160,9 @@ def test_sharded_saves_go_through_mpckpt_and_resume_exactly(job: Path, kind: str
             for name in ("exp_avg", "exp_avg_sq", "step"):
                 a, b = (getattr(s[key][name], "to_local", lambda t=s[key][name]: t)() for s in (state_a, state_b))
                 assert torch.equal(a, b), (rank, key, name)
+        ended, tested = (torch.load(out / f"{n}_{rank}.pt", weights_only=False) for n in ("end", "tested"))
+        for a, b in zip(ended["params"], tested["params"], strict=True):  # test(Net(), ckpt_path="best") loaded it
+            assert torch.equal(a, b)
     root = out / ".mpckpt"
     names = sorted(p.name for p in out.glob("*.ckpt"))
     assert names == sorted({"last.ckpt", Path(done["best"]).name})
