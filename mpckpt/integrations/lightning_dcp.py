@@ -8,12 +8,15 @@ through an mpckpt root (``mpckpt.integrations.dcp``'s ``StorageWriter`` / ``Stor
 Full state dicts (``state_dict_type="full"``, ``save_distributed_checkpoint=False``) are
 Lightning's own path, through ``CheckpointIO`` (``MpckptCheckpointIO`` when given).
 
-A save inside the Trainer's loops is ``dcp.save`` of what Lightning would give DCP (the sharded
-model and optimizer states, DCP's planners sharding) into step N of the root, with Lightning's
-other entries (loops, callbacks, hyperparameters: its ``meta.pt``) as the bytes of their
-``torch.save`` in the same step; it returns once every rank's part is committed. The path
-Lightning names holds a *pointer* (``lightning_files``, marked ``sharded``) naming that step:
-written before the save with the steps it named before, narrowed to the new one after the
+A save inside the Trainer's loops gives DCP what Lightning would (the sharded model and
+optimizer states, DCP's planners sharding) for step N of the root, with Lightning's other
+entries (loops, callbacks, hyperparameters: its ``meta.pt``) as the bytes of their
+``torch.save`` in the same step. ModelParallel (DTensor states): ``dcp.async_save`` on a gloo
+group of the strategy's own, returning after DCP's staging copy; one save in flight, committed
+before the next sharded save, load, removal or ``teardown`` goes on. FSDP (ShardedTensor states,
+which DCP's stager cannot copy): ``dcp.save``, returning once every rank's part is committed.
+The path Lightning names holds a *pointer* (``lightning_files``, marked ``sharded``) naming that
+step: written before the save with the steps it named before, narrowed to the new one after the
 commit, so a crash at any instant leaves the path naming a committed step or the previous ones.
 Every rank opens one Checkpointer of the root (the job's process group) at the first save or
 load, closed at ``teardown``. Steps carry ``lightning_file`` / ``lightning_save_id`` as
@@ -28,12 +31,14 @@ DCP's planner), and returns Lightning's other entries with ``torch.load(weights_
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import os
 import secrets
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mpckpt.integrations import require
@@ -78,10 +83,23 @@ class _KeepFiles(RetentionPolicy):
         return out
 
 
+@dataclass
+class _Pending:
+    """The sharded save in flight: DCP's future, and what its path names once it is committed."""
+
+    future: Any
+    path: str
+    cand: Candidate
+    older: list[Candidate]
+    extra: dict[str, Any]
+    folder: bool  # a plain DCP folder at the path, replaced once committed
+
+
 class _ShardedSaves:
     """What both strategies add to Lightning's: sharded saves, loads and removals through mpckpt."""
 
     _MODEL_KEY = "model"
+    _ASYNC = False  # dcp.async_save (DTensor states), else dcp.save
 
     # -- set by the strategy class ---------------------------------------------------------------
     def _sharded(self) -> bool:
@@ -98,7 +116,7 @@ class _ShardedSaves:
         return held  # type: ignore[no-any-return]
 
     def _options(self) -> tuple[str | None, dict[str, Any]]:
-        io_ = getattr(self, "_checkpoint_io", None)
+        io_ = self.checkpoint_io  # type: ignore[attr-defined]
         if isinstance(io_, MpckptCheckpointIO):
             return io_.root, dict(io_.options)
         return None, {}
@@ -126,6 +144,7 @@ class _ShardedSaves:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; pass them once as "
                             "MpckptCheckpointIO(storage_options=...) (they go to the mpckpt root)")
+        self._settle()  # one sharded save in flight: the previous one is committed first
         path = files.norm(self.broadcast(filepath))  # type: ignore[attr-defined]
         root = self._root_for(path)
         ckpt = self._writer(root)
@@ -148,28 +167,62 @@ class _ShardedSaves:
             pointer = read_pointer(path)
             older = [] if pointer is None else files.candidates(path, pointer)
             files.write_pointer(path, [cand, *older], **extra)
-        from torch.distributed.checkpoint import save
+        from torch.distributed.checkpoint import async_save, save
 
         from mpckpt.integrations.dcp import StorageWriter
 
+        held = self._mp()
+        held["next"][root] = step + 1
+        pending = _Pending(concurrent.futures.Future(), path, cand, older, extra, folder)
+        writer = StorageWriter(ckpt, step, metrics=metrics)
         try:
-            save(state, storage_writer=StorageWriter(ckpt, step, metrics=metrics))
+            if self._ASYNC:  # DCP copies the state here (its stager), then plans and writes in its thread
+                pending.future = async_save(state, storage_writer=writer, process_group=self._dcp_group())
+            else:  # DCP's stager cannot copy a ShardedTensor (FSDP1): saved and committed before returning
+                save(state, storage_writer=writer)
+                pending.future.set_result(None)
         except BaseException:
-            if self.is_global_zero and not folder:  # type: ignore[attr-defined]
-                if older:
-                    files.write_pointer(path, older, **extra)
-                else:
-                    files.remove(path)
+            self._fall_back(pending)
             raise
-        finally:
-            self._mp()["next"][root] = step + 1
+        held["pending"] = pending
+        if not self._ASYNC:
+            self._settle()
+
+    def _dcp_group(self) -> Any:
+        """A gloo group for DCP's thread only (training talks on the default group meanwhile)."""
+        held = self._mp()
+        if held.get("group") is None:
+            import torch.distributed as dist
+
+            held["group"] = dist.new_group(backend="gloo")  # every rank, at its first sharded save
+        return held["group"]
+
+    def _settle(self) -> None:
+        """Wait for the sharded save in flight (every rank's part committed), then narrow its
+        pointer to its step; a failure puts the pointer back and is raised."""
+        pending = self._mp().pop("pending", None)
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except BaseException:
+            self._fall_back(pending)
+            raise
         if self.is_global_zero:  # type: ignore[attr-defined]
-            if folder:
-                shutil.rmtree(path)
-            files.write_pointer(path, [cand], **extra)
-        self.barrier("mpckpt_sharded_save")  # type: ignore[attr-defined]
+            if pending.folder and os.path.isdir(pending.path):
+                shutil.rmtree(pending.path)
+            files.write_pointer(pending.path, [pending.cand], **pending.extra)
+
+    def _fall_back(self, pending: _Pending) -> None:
+        """A save that failed: its path names what it named before (or goes)."""
+        if self.is_global_zero and not pending.folder:  # type: ignore[attr-defined]
+            if pending.older:
+                files.write_pointer(pending.path, pending.older, **pending.extra)
+            else:
+                files.remove(pending.path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._settle()
         path = files.norm(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         pointer = self.broadcast(read_pointer(path) if self.is_global_zero else None)  # type: ignore[attr-defined]
         if pointer is None or not pointer.get("sharded"):
@@ -192,6 +245,7 @@ class _ShardedSaves:
         if not self._sharded():
             super().remove_checkpoint(filepath)  # type: ignore[misc]
             return
+        self._settle()  # (a save of this path still in flight would write its pointer again)
         path = files.norm(filepath)  # ModelCheckpoint calls this on every rank, with the same path
         root = self._root_for(path)
         held = self._mp()
@@ -206,12 +260,21 @@ class _ShardedSaves:
     def teardown(self) -> None:
         held = self._mp()
         first: BaseException | None = None
+        try:
+            self._settle()
+        except BaseException as e:  # still close
+            first = e
         for root, ckpt in list(held["open"].items()):
             try:
                 ckpt.close()
             except BaseException as e:
                 first = first or e
             held["open"].pop(root, None)
+        group, held["group"] = held.get("group"), None
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
         super().teardown()  # type: ignore[misc]
         if first is not None:
             raise first
@@ -288,6 +351,7 @@ class MpckptModelParallelStrategy(_ShardedSaves, ModelParallelStrategy):  # type
     through DCP (``plugins=[MpckptCheckpointIO(...)]`` gives the root and the options)."""
 
     _MODEL_KEY = "state_dict"
+    _ASYNC = True
 
     def _sharded(self) -> bool:
         return bool(self._save_distributed_checkpoint)
