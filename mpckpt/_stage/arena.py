@@ -1,14 +1,15 @@
 """Reusable shared-memory slabs and the one byte budget over all of them.
 
-A slab is a named shared-memory segment whose pages are allocated when it is created
-(``posix_fallocate``: /dev/shm running out is a clear ``BudgetError`` then, never a SIGBUS
-later), viewed as a flat uint8 tensor. A save takes one free slab per wave, copies into it,
+A slab is a named shared-memory segment whose pages are allocated before anything is written
+through its map (``posix_fallocate``, or writes to its file: /dev/shm running out is a clear
+``BudgetError`` then, never a SIGBUS later), viewed as a flat uint8 tensor. A save takes one free slab per wave, copies into it,
 and gives it back once the uploaders have written that wave.
 
 Slabs made ahead of a save (``reserve``: ``prepare``/``restore``; the spare below) are also
 touched, so no page fault is paid inside ``save``. A slab a save has to make itself (the first
-save of a run that never called ``prepare``) is not: the copy maps its pages as it goes, which
-costs less than a touch pass followed by the copy.
+save of a run that never called ``prepare``) is not even allocated (``Slab.sparse``): the save
+writes the state into its file, which allocates each page as it fills it (``written``), in one
+pass instead of an allocation pass, a fault per page and the copy.
 
 When a save takes the last free slab, ``ensure_spare`` creates and touches one more of the
 same size in a background thread (budget permitting), so the next save, which usually comes
@@ -56,6 +57,7 @@ class Slab:
         self.in_use = False
         self.kept = False  # holds the newest complete snapshot kept in memory (``_keep``): not free
         self.pinned = False
+        self.sparse = False  # pages not allocated yet: never written through the map (``written``)
 
     @property
     def name(self) -> str:
@@ -149,18 +151,20 @@ class Arena:
         return slab
 
     def _make(self, size: int, *, touch: bool) -> Slab:
-        try:
-            segment = Segment.create(size)
+        pin = self.pin and torch.cuda.is_available()
+        try:  # made inside a save: sparse, filled through its file (``written``) or allocated first
+            segment = Segment.create(size, allocate=touch or pin)
         except OSError as e:
             raise BudgetError(f"no room in /dev/shm for {size >> 20} MiB of the memory budget ({e.strerror}); "
                               "free space there (docker: --shm-size) or lower memory_budget / MPCKPT_MEMORY_BUDGET") from e
         slab = Slab(segment)
+        slab.sparse = not (touch or pin)
         if touch:  # map every page now, not during a save
             for start in range(0, size, _TOUCH):
                 if self.closed:  # a spare still being made at close(): it is dropped, stop mapping it
                     break
                 slab.tensor[start:start + _TOUCH].zero_()
-        if self.pin and torch.cuda.is_available():
+        if pin:
             slab.pinned = _pin(slab.tensor)
         return slab
 

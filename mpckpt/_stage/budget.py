@@ -1,8 +1,9 @@
 """Taking shared memory for a save under the memory budget and its policy.
 
 A save needs one slab per wave of its layout. The first is taken before anything is copied:
-if the budget has room, at once (and, for a one-wave state, a spare slab is made in the
-background for the next save, while this one uploads). If not, the policy decides:
+if the budget has room, at once (and, for a one-wave state, once the copy is done, a spare slab
+is made in the background for the next save, while this one uploads: ``spare_for``). If not,
+the policy decides:
 
 * ``block``: wait for uploads to free memory, bounded by ``timeout_s``, raising unseen
   background failures while waiting (a failed upload frees nothing the save waits for);
@@ -47,8 +48,6 @@ class Budget:
         need = layout.waves[0].nbytes
         slab = self.arena.try_acquire(need)
         if slab is not None:
-            if len(layout.waves) == 1:
-                self.arena.ensure_spare(need)  # for the next save, while this one uploads
             return slab
         policy = self.config.policy
         if policy is BudgetPolicy.SKIP:
@@ -59,6 +58,12 @@ class Budget:
             if slab is not None:
                 return slab
         return self.take(need)
+
+    def spare_for(self, layout: Layout) -> None:
+        """After a save's copy (not during it, which it would slow down): have a free slab made in
+        the background for the next save of a one-wave state, while this one uploads."""
+        if len(layout.waves) == 1:
+            self.arena.ensure_spare(layout.waves[0].nbytes)
 
     def take(self, nbytes: int) -> Slab:
         """A slab of ``nbytes``, waiting for uploads to free memory (bounded)."""

@@ -89,7 +89,6 @@ def _fed_plan(layout: Layout, wave_index: int) -> list[list[tuple[int, int, int]
     return plan
 
 
-@torch.no_grad()
 def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
                   feed: Callable[[int, memoryview], None], pool: concurrent.futures.Executor) -> bool:
     """Copy wave ``wave_index`` into ``slab`` shard by shard on ``pool``'s threads, handing the slab
@@ -113,6 +112,7 @@ def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
     base = slab.tensor.data_ptr()
     view = memoryview(slab.segment.mmap)
 
+    @torch.no_grad()  # grad mode is per thread: the sources may be parameters that require grad
     def one_shard(index: int) -> None:
         steps = plan[index]
         fed = wave.shards[index].pieces[0].offset if steps else 0

@@ -40,6 +40,7 @@ from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
 from mpckpt._stage.skeleton_text import SkeletonText
 from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
+from mpckpt._stage.written import allocate, populate, write_wave
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
@@ -144,10 +145,28 @@ class Snapshotter:
         than the copy): their hashers; None when the state cannot be copied so (copied, unhashed)."""
         block_size = BLOCK_BYTES if self.planner is not None else 0
         hashers = self.keeper.hashers(layout.waves[0].shards, block_size)
-        if copy_wave_fed(flat, layout, 0, slab, lambda i, view: hashers[i].update(view), self.keeper.pool):
+
+        def feed(i: int, view: memoryview) -> None:
+            hashers[i].update(view)
+
+        if slab.sparse:  # made in this save: written through its file (``written``)
+            if write_wave(flat, layout, 0, slab, feed=feed, pool=self.keeper.pool):
+                populate(slab)
+                return hashers
+            allocate(slab)
+        if copy_wave_fed(flat, layout, 0, slab, feed, self.keeper.pool):
             return hashers
         copy_wave(flat, layout, 0, slab)
         return None
+
+    def _copy(self, flat: FlatState, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
+        only = reuse.needs_copy if reuse.leaves else None
+        if slab.sparse:  # made in this save: written through its file (``written``)
+            if only is None and write_wave(flat, layout, index, slab):
+                populate(slab)
+                return
+            allocate(slab)
+        copy_wave(flat, layout, index, slab, only=only)
 
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
               slab: Slab, hashed: list[Any] | None = None, stats: SaveStats | None = None) -> Any:
@@ -188,6 +207,7 @@ class Snapshotter:
                 copies = self._keep(step, -1, metrics, flat, layout, plan, slab, self._copy_hashed(flat, layout, slab))
             finally:
                 self.budget.release(slab)
+            self.budget.spare_for(layout)
             stats.status = "in_memory"
             stats.snapshot_ms = (time.perf_counter() - started) * 1e3
         self.stats.saves.append(stats)
@@ -232,14 +252,16 @@ class Snapshotter:
             if kept is not None:  # copied and hashed as it lands, then kept
                 kept(slab, self._copy_hashed(flat, layout, slab))
             else:
-                copy_wave(flat, layout, index, slab, only=reuse.needs_copy if reuse.leaves else None)
+                self._copy(flat, layout, index, slab, reuse)
             self._submit_wave(record, layout, index, slab, reuse)
         self.ledger.all_submitted(record, snapshot_started=started)
+        self.budget.spare_for(layout)
 
     def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout,
                              slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None) -> None:
         assert slab is not None
         started = time.perf_counter()
+        allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
         guarded = step_guarded_leaves(state, flat) - reuse.leaves
         # what the next forward may change in place (buffers) is copied now (kept: frozen ones too)
         copy_wave(flat, layout, 0, slab,
@@ -253,6 +275,7 @@ class Snapshotter:
                     kept(slab)
                 self._submit_wave(record, layout, 0, slab, reuse)
                 submitted = True
+                self.budget.spare_for(layout)
             except BaseException as e:  # surfaces through the save's future, not lost
                 if not submitted and not self.ledger.holds(record, slab):
                     self.budget.release(slab)

@@ -268,16 +268,15 @@ class Segment:
         self._by = by  # the owner counting this segment until it is unlinked
 
     @classmethod
-    def create(cls, size: int) -> Segment:
+    def create(cls, size: int, *, allocate: bool = True) -> Segment:
         if size <= 0:
             raise ValueError(f"shared-memory segment size must be positive, got {size}")
-        def allocate(fd: int) -> None:
+        def allocate_pages(fd: int) -> None:
             os.ftruncate(fd, size)
-            # INVARIANT: every page is allocated now: with /dev/shm full this is ENOSPC here,
-            # never a SIGBUS that kills the trainer at its first write into a hole
-            os.posix_fallocate(fd, 0, size)
+            if allocate:  # INVARIANT: every page allocated now (else before a write through the map: _stage.written):
+                os.posix_fallocate(fd, 0, size)  # a full /dev/shm is ENOSPC here, never a SIGBUS at a write into a hole
 
-        return cls._mapped(*_open_new_segment(), size, allocate)
+        return cls._mapped(*_open_new_segment(), size, allocate_pages)
 
     @classmethod
     def adopt(cls, path: str, size: int) -> Segment:

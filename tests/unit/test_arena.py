@@ -251,31 +251,42 @@ def test_nothing_is_made_after_close(make_arena, shm_sizes):
 
 
 def test_dev_shm_running_out_is_a_budget_error_not_a_sigbus(make_arena, monkeypatch):
-    """Slab pages are allocated when it is made: /dev/shm running out fails there, cleanly."""
+    """A slab made ahead is allocated when made, one made in a save before anything is written
+    through its map: /dev/shm running out fails there, cleanly, and the slab stays sparse."""
+    from mpckpt._stage import written
+
     arena = make_arena(64 * MiB)
     before = set(_shm.segments_of_this_process())
 
-    def full(fd: int, offset: int, length: int) -> None:
+    def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_shm.os, "posix_fallocate", full)
-    with pytest.raises(BudgetError, match=r"no room in /dev/shm for 8 MiB.*--shm-size"):
-        arena.try_acquire(8 * MiB)
+    monkeypatch.setattr(written.os, "posix_fallocate", full)
+    assert arena.reserve(8 * MiB, count=2) == 0  # warming (prepare, restore) is best effort: no raise
     assert set(_shm.segments_of_this_process()) == before  # the failed segment is unlinked
     assert arena.allocated_bytes == 0
-    assert arena.reserve(8 * MiB, count=2) == 0  # warming (prepare, restore) is best effort: no raise
+    slab = arena.try_acquire(8 * MiB)  # made inside a save: no page yet
+    assert slab is not None and slab.sparse
+    with pytest.raises(BudgetError, match=r"no room in /dev/shm for 8 MiB.*--shm-size"):
+        written.allocate(slab)
+    assert slab.sparse  # still never written through its map
     monkeypatch.undo()
-    slab = arena.try_acquire(8 * MiB)  # room again: the arena works on
-    assert slab is not None and slab.capacity >= 8 * MiB
+    written.allocate(slab)  # room again: the arena works on
+    assert not slab.sparse and os.stat(f"/dev/shm/{slab.name}").st_blocks * 512 >= slab.capacity
 
 
 def test_slabs_made_ahead_are_touched_and_every_page_is_allocated(make_arena):
+    from mpckpt._stage import written
+
     arena = make_arena(64 * MiB)
     assert arena.reserve(8 * MiB) == 1
     ahead = arena.try_acquire(8 * MiB)
-    assert ahead is not None
-    in_save = arena.try_acquire(8 * MiB)  # made inside a save: allocated, mapped by the copy
-    assert in_save is not None
+    assert ahead is not None and not ahead.sparse
+    in_save = arena.try_acquire(8 * MiB)  # made inside a save: sparse, allocated as it is written
+    assert in_save is not None and in_save.sparse
+    assert os.stat(f"/dev/shm/{in_save.name}").st_blocks == 0
+    written.allocate(in_save)
     for slab in (ahead, in_save):
         st = os.stat(f"/dev/shm/{slab.name}")
         assert st.st_blocks * 512 >= slab.capacity  # no hole a write could SIGBUS on
