@@ -93,9 +93,10 @@ class _Files:
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))`` of ``file``, verified.
 
-        Reads whole blocks, in windows of at most ``_WINDOW``; the first and last block of a
-        window (the ones a neighbouring range, a small tensor beside it, also needs) are kept,
-        verified, in a small cache, so ranges that share a block read it once.
+        The blocks that lie wholly inside the range are read straight into ``out`` (in windows
+        of at most ``_WINDOW``) and hashed there; the at most two blocks at its ends, which a
+        neighbouring range (a small tensor beside it) also needs, are read whole, verified and
+        kept in a small cache, so ranges that share a block read it once.
         """
         size = self._size(file)
         location = self.source.location(file)
@@ -104,33 +105,47 @@ class _Files:
                                          path=location)
         block_size, digests = self._blocks(file)
         end = offset + len(out)
-        pos = offset
-        window = max(block_size, _WINDOW // block_size * block_size)
-        while pos < end:
-            first = pos // block_size * block_size
-            cached = self._cached(file, first // block_size)
-            if cached is not None:
-                take = min(end, first + len(cached)) - pos
-                out[pos - offset:pos - offset + take] = cached[pos - first:pos - first + take]
-                pos += take
+        window = max(1, _WINDOW // block_size)  # blocks
+        k, stop = offset // block_size, -(-end // block_size)
+        while k < stop:
+            first = k * block_size
+            if first < offset or min(first + block_size, size) > end:  # a block at an end of the range
+                lo, hi = max(first, offset), min(first + block_size, end)
+                self._from_block(file, location, k, lo - first, out[lo - offset:hi - offset])
+                k += 1
                 continue
-            last = min(size, -(-min(end, first + window) // block_size) * block_size)
-            buf = bytearray(last - first)
+            inner = k + 1  # the run of whole blocks from k: read in place, hashed there
+            while inner < stop and inner - k < window and min((inner + 1) * block_size, size) <= end:
+                inner += 1
+            last = min(inner * block_size, size)
+            view = out[first - offset:last - offset]
+            self.source.read_into(file, first, view)
+            for j in range(k, inner):
+                self._check(location, j, view[(j - k) * block_size:(j - k + 1) * block_size], digests, block_size)
+            with self._lock:
+                self.bytes_read += last - first
+            k = inner
+
+    def _from_block(self, file: str, location: str, k: int, at: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes from ``at`` on of block ``k``, read whole and verified once."""
+        block_size, digests = self._blocks(file)
+        data = self._cached(file, k)
+        if data is None:
+            first = k * block_size
+            buf = bytearray(min(block_size, self._size(file) - first))
             self.source.read_into(file, first, memoryview(buf))
-            blocks = range(first // block_size, -(-last // block_size))
-            for k in blocks:
-                lo = k * block_size - first
-                if xxhash.xxh3_64(memoryview(buf)[lo:lo + block_size]).hexdigest() != digests[k]:
-                    raise CorruptCheckpointError(f"{location}: block {k} (bytes {k * block_size}+) does not match its "
-                                                 "checksum; the file is damaged", path=location)
-            for k in {blocks[0], blocks[-1]}:
-                lo = k * block_size - first
-                self._keep(file, k, bytes(buf[lo:lo + block_size]))
-            take = min(end, last) - pos
-            out[pos - offset:pos - offset + take] = memoryview(buf)[pos - first:pos - first + take]
+            self._check(location, k, memoryview(buf), digests, block_size)
+            data = bytes(buf)
+            self._keep(file, k, data)
             with self._lock:
                 self.bytes_read += len(buf)
-            pos += take
+        out[:] = data[at:at + len(out)]
+
+    @staticmethod
+    def _check(location: str, k: int, view: memoryview, digests: list[str], block_size: int) -> None:
+        if xxhash.xxh3_64(view).hexdigest() != digests[k]:  # (xxhash releases the GIL)
+            raise CorruptCheckpointError(f"{location}: block {k} (bytes {k * block_size}+) does not match its "
+                                         "checksum; the file is damaged", path=location)
 
     def _cached(self, file: str, block: int) -> bytes | None:
         with self._lock:
@@ -281,11 +296,16 @@ class Reader:
         strides = _row_major(chunk.shape)
         first = sum((low - o) * s for low, o, s in zip(lo, chunk.offset, strides, strict=True))
         last = sum((h - 1 - o) * s for h, o, s in zip(hi, chunk.offset, strides, strict=True))
+        shape = [h - low for low, h in zip(lo, hi, strict=True)]
+        box = dest[tuple(slice(low - d, h - d) for low, h, d in zip(lo, hi, dest_offset, strict=True))]
+        if last - first + 1 == math.prod(shape) and box.is_contiguous() and box.device.type == "cpu":
+            # the overlap is one run of the chunk and of ``dest`` (a shard along dimension 0, a whole
+            # tensor): read straight into place, no span and no copy
+            self._read_chunk(chunk, first * itemsize, memory(box), name)
+            return box.numel() * itemsize
         span = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
         self._read_chunk(chunk, first * itemsize, memory(span), name)
-        src = torch.as_strided(span.view(dest.dtype), [h - low for low, h in zip(lo, hi, strict=True)], strides, 0)
-        box = tuple(slice(low - d, h - d) for low, h, d in zip(lo, hi, dest_offset, strict=True))
-        dest[box].copy_(src)
+        box.copy_(torch.as_strided(span.view(dest.dtype), shape, strides, 0))
         return span.numel()
 
     def _read_chunk(self, chunk: Chunk, start: int, out: memoryview, name: str) -> None:
