@@ -366,7 +366,8 @@ def _check_supported(args: TrainingArguments) -> None:
     if getattr(args, "fsdp", None):
         raise ConfigError("MpckptCallback does not take FSDP saves over: with accelerate's FSDP plugin the Trainer "
                           "saves with torch.distributed.checkpoint on every rank (SHARDED_STATE_DICT) or gathers the "
-                          "state (FULL_STATE_DICT), and resume_path writes no folder of that layout. Ways on: let the "
+                          "state (FULL_STATE_DICT), and resume_path writes no folder of that layout (on CPU, accelerate "
+                          "drops the FSDP plugin and trains unsharded: FSDP needs accelerators). Ways on: let the "
                           "Trainer save them (no MpckptCallback); DDP, which MpckptCallback saves (every rank's "
                           "generators too); FSDP2 in a loop of your own, saved with dcp.save through "
                           "mpckpt.integrations.dcp.StorageWriter; in Lightning, "

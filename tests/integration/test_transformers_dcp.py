@@ -6,7 +6,9 @@ step 4, mid-epoch. Rank 1 draws once more from torch's generator at every step, 
 generators differ. The test compares, on each rank, the losses of the steps after the resume, the
 final weights and the final state of torch's generator with the uninterrupted run's
 (``torch.equal``): only every rank's own generators, restored to the same rank, give that.
-FSDP: ``MpckptCallback`` refuses it at ``train()`` before the first step, naming what to do.
+FSDP: accelerate sets FSDP up on accelerators only (on CPU it drops the plugin and trains
+unsharded), so ``MpckptCallback`` refuses FSDP arguments at ``train()`` before the first step,
+naming the ways on.
 """
 
 from __future__ import annotations
@@ -148,10 +150,10 @@ def test_ddp_resume_restores_every_ranks_generators(job: Path) -> None:
 
 
 def test_fsdp_is_refused_before_the_first_step(job: Path) -> None:
-    """accelerate's FSDP runs on CPU (gloo); MpckptCallback refuses it at train(), naming the ways on."""
+    """A Trainer given FSDP arguments (under torchrun): refused at train(), naming the ways on."""
     refused = json.loads((job / "done.json").read_text())["fsdp"]
     assert refused["type"] == "ConfigError" and refused["global_step"] == 0 and not refused["root"]
-    for name in ("SHARDED_STATE_DICT", "DDP", "StorageWriter", "MpckptFSDPStrategy"):
+    for name in ("SHARDED_STATE_DICT", "on CPU", "DDP", "StorageWriter", "MpckptFSDPStrategy"):
         assert name in refused["message"]
 
 
