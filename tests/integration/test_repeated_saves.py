@@ -49,7 +49,8 @@ def _clone(value: object) -> object:
 @pytest.mark.parametrize("keep", [True, False])
 def test_each_save_stores_the_state_as_it_is_when_the_model_changes_between_saves(tmp_path, keep):
     model, opt = _model()
-    state = {"model": model, "optim": opt, "epoch": 0}
+    extra = {"a": torch.ones(3), "b": torch.zeros(2)}
+    state = {"model": model, "optim": opt, "epoch": 0, "extra": extra}
     expected = {}
     changes = [
         lambda: None,
@@ -59,6 +60,9 @@ def test_each_save_stores_the_state_as_it_is_when_the_model_changes_between_save
         lambda: opt.add_param_group({"params": list(model.head.parameters()), "lr": 0.5}),  # a param group
         lambda: opt.load_state_dict(opt.state_dict()),                                       # new state tensors
         lambda: model[4].register_buffer("count", torch.tensor(7, dtype=torch.int64)),      # a buffer added
+        lambda: setattr(model[4].count, "data", torch.arange(3)),                            # same object, new shape
+        lambda: extra.update(c=extra.pop("b")),                                              # a key renamed
+        lambda: extra.update(a=torch.ones(3, dtype=torch.float64)),                          # same key, new dtype
         lambda: None,
     ]
     with mpckpt.Checkpointer(tmp_path / "run", workers=2, keep_in_memory=keep) as ckpt:
@@ -89,6 +93,8 @@ def test_a_state_of_many_dtypes_comes_back_exactly_after_repeated_saves(tmp_path
                 for p, q in zip(model.parameters(), master.parameters(), strict=True):
                     p.copy_(q)
             counters["layer0"] += 1
+            if step == 2:
+                counters["layer1"] = torch.tensor(1, dtype=torch.int32)  # a counter of another dtype
             ckpt.save(step, state).result(60)
             want = _clone(_live(state))
             assert_same(mpckpt.load(tmp_path / "run", step=step), want)
