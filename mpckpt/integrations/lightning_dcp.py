@@ -138,13 +138,14 @@ class _ShardedSaves:
 
     # -- Lightning's Strategy ------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._sharded():
+            self._settle()  # one sharded save in flight: the previous one is committed (and its pointer written)
         if not self._sharded() or _called_from() != "loop":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
             return
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; pass them once as "
                             "MpckptCheckpointIO(storage_options=...) (they go to the mpckpt root)")
-        self._settle()  # one sharded save in flight: the previous one is committed first
         path = files.norm(self.broadcast(filepath))  # type: ignore[attr-defined]
         root = self._root_for(path)
         ckpt = self._writer(root)
