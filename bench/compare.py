@@ -24,6 +24,7 @@ collects one JSON line. Blocked time is the wall time of the save call as the lo
 wait at exit is the final wait for every upload; loop time is the loop without that wait.
 
     .venv/bin/python bench/compare.py --gib 1 --steps 30 --every 5
+    .venv/bin/python bench/compare.py --hidden 512 --modes baseline,floor,dcp_thread,mpckpt_eager,mpckpt_cold,mpckpt_overlap
     .venv/bin/python bench/compare.py --rounds 3 --modes baseline,dcp_thread,mpckpt_eager   # loop overhead
 
 With ``--rounds N`` every mode runs N times, each run between two baselines; its loop overhead is
@@ -234,7 +235,7 @@ def make_mode(name: str) -> Mode:
 def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     name = "baseline" if args.child.startswith("baseline") else args.child
     mode = make_mode(name)
-    work = h.build_workload(args.gib)
+    work = h.build_workload(args.gib, hidden=args.hidden)
     os.makedirs(args.dir, exist_ok=True)
     try:
         mode.open(work, args.dir, args)
@@ -301,7 +302,7 @@ def run_one(mode: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
     mode_dir = os.path.join(folder, mode)
     print(f"[compare] {mode} ...", file=sys.stderr, flush=True)
     argv = [os.path.abspath(__file__), "--child", mode, "--gib", str(args.gib), "--steps", str(args.steps),
-            "--every", str(args.every), "--workers", str(args.workers), "--dir", mode_dir]
+            "--every", str(args.every), "--workers", str(args.workers), "--dir", mode_dir, "--hidden", str(args.hidden)]
     return run_quietest(argv, mode, mode_dir, args)
 
 
@@ -444,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gib", type=float, default=1.0, help="checkpoint state size: params + 2 Adam moments (GiB)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5, help="a checkpoint every this many steps")
+    p.add_argument("--hidden", type=int, default=2048,
+                   help="width of the Linear layers: 512 makes 1 GiB a state of ~340 layers and ~2,700 tensors")
     p.add_argument("--modes", default=",".join(MODES), help="comma list; default all")
     p.add_argument("--workers", type=int, default=2, help="mpckpt uploader processes")
     p.add_argument("--out", default=os.path.join(h.RESULTS_DIR, "compare.json"))
