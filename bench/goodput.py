@@ -54,7 +54,7 @@ class Tail:
     """New complete lines of the ranks' event files, as they come."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.offsets, self.events = out, {}, []
+        self.out, self.offsets, self.events, self.current = out, {}, [], {}
 
     def read(self) -> list[dict[str, Any]]:
         new = []
@@ -68,7 +68,11 @@ class Tail:
             end = data.rfind(b"\n") + 1
             self.offsets[rank] = self.offsets.get(rank, 0) + end
             for line in data[:end].splitlines():
-                new.append({**json.loads(line), "rank": rank})
+                event = {**json.loads(line), "rank": rank}
+                if event["event"] == "start":  # a rank's lines come in order, each launch opening with its start
+                    self.current[rank] = event["launch"]
+                event["launch"] = self.current.get(rank, 0)
+                new.append(event)
         self.events += new
         return new
 
@@ -114,14 +118,9 @@ class Chaos:
                 return e
         return None
 
-    def launch_of(self, event: dict[str, Any]) -> int:
-        """The launch an event belongs to (events of a rank come in order, each launch opening with 'start')."""
-        return event.setdefault("launch", self._launch_at(event))
-
-    def _launch_at(self, event: dict[str, Any]) -> int:
-        starts = [e for e in self.tail.events if e["event"] == "start" and e["rank"] == event["rank"]
-                  and e["t"] <= event["t"]]
-        return starts[-1]["launch"] if starts else 0
+    @staticmethod
+    def launch_of(event: dict[str, Any]) -> int:
+        return event["launch"]
 
     def last_step(self) -> int | None:
         steps = [e["step"] for e in self.tail.events if e["event"] == "step" and e["rank"] == 0]

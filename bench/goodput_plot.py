@@ -2,7 +2,8 @@
 
 ``PREFIX-timeline.png``: one panel per strategy, rank 0's step over wall time (from the first
 launch), each failure a vertical line in its kind's colour, each restart's first step a marker in
-the colour of where its restore came from (memory, peer, storage, nothing: from scratch).
+the colour of where its restore came from (the farthest any rank read: peer, storage, memory; or
+nothing: from scratch).
 ``PREFIX-recovery.png``: for the failures that end the job, the time from the failure to the first
 training step after it, every failure a dot, per strategy, split by kind.
 
@@ -28,6 +29,12 @@ def draw(result: dict[str, Any], prefix: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
+    for run in runs:  # results written before events carried their launch
+        current: dict[int, int] = {}
+        for e in run["events"]:
+            if e["event"] == "start":
+                current[e["rank"]] = e["launch"]
+            e["launch"] = current.get(e["rank"], 0)
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.4 * len(runs) + 0.8), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         t0 = run["launches"][0]
@@ -39,11 +46,14 @@ def draw(result: dict[str, Any], prefix: str) -> list[str]:
                 if f["window_s"]:
                     ax.axvspan(f["at"] - t0, f["at"] - t0 + f["window_s"], color=KIND_COLOURS.get(f["kind"], "k"),
                                alpha=0.12)
-        for e in run["events"]:
-            if e["event"] == "restored" and e["rank"] == 0:
+        restores = [e for e in run["events"] if e["event"] == "restored"]
+        for e in restores:
+            if e["rank"] == 0:  # a relaunch: coloured by the farthest source any rank read (peer, storage, memory)
+                sources = {o["source"] for o in restores if o["launch"] == e["launch"]}
+                source = next((k for k in ("peer", "storage", "memory") if k in sources), None)
                 first = next(((t, s) for t, s in steps if t > e["t"] - t0), None)
                 if first is not None:
-                    ax.plot(*first, "o", ms=6, color=SOURCE_COLOURS.get(e["source"], "grey"))
+                    ax.plot(*first, "o", ms=6, color=SOURCE_COLOURS[source])
         s = run.get("summary", {})
         goodput = s.get("goodput")
         ax.set_title(f"{run['strategy']}: goodput {goodput:.2f}" if goodput else run["strategy"], fontsize=9, loc="left")
