@@ -54,6 +54,7 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import redact_url, scrub
+from mpckpt.storage._retry import retry
 from mpckpt.storage.base import Buffer, check_relpath
 from mpckpt.storage.object_store import MPCKPT_OPTIONS, ObjectStoreBackend, positive_int
 
@@ -310,10 +311,23 @@ class AzureBlobBackend(ObjectStoreBackend):
 
     # -- set-up --------------------------------------------------------------------------
     def check_writable(self) -> None:
+        def attempt() -> None:
+            try:
+                self._probe_or_create()
+            except (AzureError, OSError) as e:
+                translated = self._translate(e, "write a probe")
+                if isinstance(translated, TransientStorageError):  # an outage as a job restarts: retried, as
+                    raise translated from e                         # every write is, not a wrong account URL
+                raise
+
         try:
-            self._probe_or_create()
+            retry(attempt, what=f"write a probe to {self.url}", attempts=self._attempts)
         except ConfigError:
             raise
+        except TransientStorageError as e:
+            detail = e.__cause__ if isinstance(e.__cause__, TransientStorageError) else e
+            raise ConfigError(f"{self.url}: cannot reach the storage account ({detail}); "
+                              "check the account URL and the network") from e
         except (ClientAuthenticationError, HttpResponseError) as e:
             if isinstance(e, ClientAuthenticationError) or e.status_code in (401, 403):
                 raise ConfigError(f"{self.url}: the credentials were refused ({self._translate(e, 'write')}); "

@@ -33,7 +33,7 @@ from mpckpt.errors import (
 )
 from mpckpt.storage import _lease
 from mpckpt.storage._redact import scrub
-from mpckpt.storage._retry import PROGRAMMING_ERRORS
+from mpckpt.storage._retry import PROGRAMMING_ERRORS, retry
 from mpckpt.storage.base import Buffer, check_relpath
 from mpckpt.storage.object_store import MPCKPT_OPTIONS as MPCKPT_OPTIONS  # the options mpckpt reads itself
 from mpckpt.storage.object_store import ObjectStoreBackend
@@ -236,11 +236,26 @@ class FsspecBackend(ObjectStoreBackend):
     # -- set-up --------------------------------------------------------------------------
     def check_writable(self) -> None:
         probe = self._key(f".mpckpt.probe.{secrets.token_hex(4)}")
+
+        def attempt() -> None:
+            try:
+                if self._create:
+                    self.fs.makedirs(self._root, exist_ok=True)
+                self.fs.pipe_file(probe, b"mpckpt write probe")
+            except (FileNotFoundError, PermissionError, *PROGRAMMING_ERRORS):
+                raise
+            except Exception as e:
+                if is_transient(e):  # an outage as a job restarts is retried as any write is, not a wrong URL
+                    raise TransientStorageError(f"{type(e).__name__}: {e}") from e
+                raise
+
         try:
-            if self._create:
-                self.fs.makedirs(self._root, exist_ok=True)
-            self.fs.pipe_file(probe, b"mpckpt write probe")
+            retry(attempt, what=f"write a probe to {self.url}", attempts=self._attempts)
             self._rm_quiet(probe)
+        except TransientStorageError as e:
+            cause = e.__cause__.__cause__ if isinstance(e.__cause__, TransientStorageError) else e.__cause__
+            raise ConfigError(f"{self.url} is not writable: {scrub(f'{type(cause).__name__}: {cause}', self._secrets)}; "
+                              "cannot reach the storage endpoint; check the endpoint URL and the network") from e
         except FileNotFoundError as e:
             bucket = self._root.split("/")[0]
             example = f" (for example `aws s3 mb s3://{bucket}`)" if self._is_s3 else ""

@@ -233,3 +233,17 @@ def test_outage_during_a_save_does_not_wedge_later_saves(store: Store) -> None:
         assert ckpt.save(2, _state(2)).result(10).name == checkpoint_name(2)
         ckpt.wait(timeout_s=10)  # the failure was raised by save(1): not raised a second time
         assert ckpt.steps() == [0, 2]
+
+
+def test_an_outage_as_the_checkpointer_opens_is_retried_not_a_config_error(store: Store) -> None:
+    """A job relaunched while storage is briefly out opens once it is back: the open's write probe
+    retries transient errors as every write does, rather than calling the root "not writable" at the
+    first reset (``bench/goodput.py`` found it: a rank killed during an S3 outage, the relaunched job
+    failed at once with ``ConfigError``). The resets outlast the client's own attempts for one call (S3:
+    s3fs's 5 times botocore's 2; the Azure client makes one) and not mpckpt's ``RETRY_ATTEMPTS`` of them."""
+    resets = 12 if store.backend == "s3" else RETRY_ATTEMPTS - 1
+    store.proxy.inject("reset", times=resets, match=lambda method, path: ".mpckpt.probe." in path)
+    with mpckpt.Checkpointer(store.url, storage_options=store.options, workers=1, timeout_s=BOUND_S) as ckpt:
+        _result(ckpt.save(0, _state(0, tensors=1, numel=256), mode="sync"))
+    assert store.proxy.injected["reset"] == resets
+    assert store.manifest_exists(0)
