@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,26 +79,31 @@ class KeptRecord:
                               created_unix=self.created_unix, world_size=self.world_size)
 
     def to_bytes(self) -> bytes:
-        # The skeleton's base64 is most of a record (a MiB for ~5,000 tensors) and the JSON encoder
-        # scans a long string slowly: both texts are dumped with a short stand-in for each file held
-        # whole, spliced in after (base64 needs no escaping: the same bytes as dumping it).
-        whole = {rel: _base64(data) for rel, data in sorted(self.small.items())}
-        marks = {rel: f"mpckpt-small-{secrets.token_hex(8)}" for rel in whole}
+        # The base64 of the skeleton and of the shards' headers is most of a record (MiBs for
+        # thousands of tensors) and the JSON encoder scans a long string slowly: both texts are
+        # dumped with a short stand-in for each, spliced in after in one pass (base64 needs no
+        # escaping: the same bytes as dumping it).
+        token = secrets.token_hex(8)
+        texts: list[str] = []
+
+        def stand_in(data: bytes) -> str:
+            texts.append(_base64(data))
+            return f"mpckpt-b64-{token}-{len(texts) - 1}"
+
         body = {
             "format": FORMAT, "version": VERSION, "uid": self.uid, "root": self.root, "rank": self.rank,
             "world_size": self.world_size, "step": self.step, "seq": self.seq, "data": self.data,
             "data_size": self.data_size, "created_unix": self.created_unix, "metrics": self.metrics,
-            "spans": {rel: {"header": base64.b64encode(s.header).decode(), "offset": s.offset, "nbytes": s.nbytes,
+            "spans": {rel: {"header": stand_in(s.header), "offset": s.offset, "nbytes": s.nbytes,
                             "xxh3_64": s.checksum, "blocks": list(s.blocks)} for rel, s in sorted(self.spans.items())},
-            "small": marks,
+            "small": {rel: stand_in(data) for rel, data in sorted(self.small.items())},
         }
+        pattern = re.compile(f'"mpckpt-b64-{token}-(\\d+)"')
 
         def spliced(text: str) -> str:
-            for rel, mark in marks.items():
-                head, found, tail = text.partition(f'"{mark}"')
-                assert found and mark not in tail, "a stand-in appears once"
-                text = f'{head}"{whole[rel]}"{tail}'
-            return text
+            out = pattern.sub(lambda m: f'"{texts[int(m.group(1))]}"', text)
+            assert len(pattern.findall(text)) == len(texts), "each stand-in appears once"
+            return out
 
         canonical = spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False))
         body["record_checksum"] = checksum(canonical.encode())
@@ -138,19 +144,20 @@ class KeptRecord:
                                          path=path) from e
 
 
-_last_base64: tuple[bytes, str] = (b"", "")
+_base64_made: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, their base64): the last record's
 
 
 def _base64(data: bytes) -> str:
-    """``data`` in base64; the last skeleton's text again when it is the same bytes object (a
-    repeated save of an unchanged state shape hands out the very bytes it made before)."""
-    global _last_base64
-    last = _last_base64
-    if last[0] is data:
-        return last[1]
+    """``data`` in base64; made again only for other bytes objects than the last record's (a
+    repeated save of an unchanged state shape hands out the very skeleton and headers it made)."""
+    made = _base64_made.get(id(data))
+    if made is not None and made[0] is data:
+        return made[1]
     text = base64.b64encode(data).decode()
-    if len(data) > 4096:
-        _last_base64 = (data, text)
+    if len(data) > 1024:
+        if len(_base64_made) > 256:
+            _base64_made.clear()
+        _base64_made[id(data)] = (data, text)
     return text
 
 
