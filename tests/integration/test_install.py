@@ -66,7 +66,7 @@ _ROUND_TRIP = """
             if info.name not in optional and not framework:
                 raise
             if framework:
-                extra = info.name.rsplit(".", 1)[1]
+                extra = info.name.rsplit(".", 1)[1].lstrip("_").split("_")[0]  # (lightning_dcp: lightning's)
                 assert f"pip install 'mpckpt[{extra}]'" in str(e), (info.name, e)  # the install hint
             print("optional", info.name, e)
     print("imported every module")
