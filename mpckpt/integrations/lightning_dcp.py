@@ -31,6 +31,7 @@ DCP's planner), and returns Lightning's other entries with ``torch.load(weights_
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import io
 import logging
@@ -102,11 +103,13 @@ class _ShardedSaves:
     _ASYNC = False  # dcp.async_save (DTensor states), else dcp.save
 
     # -- set by the strategy class ---------------------------------------------------------------
+    @abc.abstractmethod
     def _sharded(self) -> bool:
-        raise NotImplementedError
+        """Whether this strategy saves sharded (DCP) checkpoints now."""
 
+    @abc.abstractmethod
     def _load_sharded(self, ckpt: mpckpt.Checkpointer, step: int) -> None:
-        raise NotImplementedError
+        """Load the model (and optimizers when fitting) of committed ``step`` through DCP."""
 
     # -- the roots this rank holds open ------------------------------------------------------------
     def _mp(self) -> dict[str, Any]:
