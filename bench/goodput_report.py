@@ -60,15 +60,20 @@ def stored(run: dict[str, Any], full: dict[int, str], read_options: dict[str, An
         out["errors"].append(f"open: {type(e).__name__}: {e}"[:300])
         return out
     for step in out["listed"]:
-        try:
-            state = mpckpt.load(root, step=step, storage_options=read_options)
-        except Exception as e:  # noqa: BLE001
-            out["unreadable"].append(step)
-            out["errors"].append(f"step {step}: {type(e).__name__}: {e}"[:300])
-            continue
-        if full.get(step) is not None and _model_digest(state["model"]) != full[step]:
-            out["wrong"].append(step)
+        _judge(step, lambda step=step: mpckpt.load(root, step=step, storage_options=read_options), full, out)
     return out
+
+
+def _judge(step: int, read: Any, full: dict[int, str], out: dict[str, Any]) -> None:
+    """Read committed ``step`` with ``read()``: unreadable, or wrong against the reference's digest."""
+    try:
+        state = read()
+    except Exception as e:  # noqa: BLE001
+        out["unreadable"].append(step)
+        out["errors"].append(f"step {step}: {type(e).__name__}: {e}"[:300])
+        return
+    if full.get(step) is not None and _model_digest(state["model"]) != full[step]:
+        out["wrong"].append(step)
 
 
 def _stored_dcp(root: str, full: dict[int, str], out: dict[str, Any]) -> dict[str, Any]:
@@ -81,15 +86,11 @@ def _stored_dcp(root: str, full: dict[int, str], out: dict[str, Any]) -> dict[st
             continue
         out["listed"].append(step)
         with tempfile.TemporaryDirectory() as tmp:
-            try:
+            def read(folder: str = folder, tmp: str = tmp) -> Any:
                 dcp_to_torch_save(os.path.join(root, folder), os.path.join(tmp, "x.pt"))
-                state = torch.load(os.path.join(tmp, "x.pt"), weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                out["unreadable"].append(step)
-                out["errors"].append(f"step {step}: {type(e).__name__}: {e}"[:300])
-                continue
-        if full.get(step) is not None and _model_digest(state["model"]) != full[step]:
-            out["wrong"].append(step)
+                return torch.load(os.path.join(tmp, "x.pt"), weights_only=True)
+
+            _judge(step, read, full, out)
     return out
 
 

@@ -37,7 +37,7 @@ from mpckpt.errors import ConfigError
 from mpckpt.integrations._dcp_state import check_same_keys
 from mpckpt.integrations.dcp import StorageReader, StorageWriter
 from tests.conftest import assert_same, make_model, train_step
-from tests.integration.test_distributed import finish, free_port, start, tail, worker_env
+from tests.integration.test_distributed import finish, free_port, ranks_without_agent, start, tail, worker_env
 from tests.servers import s3_options
 
 WORKER = str(Path(__file__).with_name("dcp_worker.py"))
@@ -228,15 +228,9 @@ def test_fsdp2_async_save_at_two_ranks_loads_at_one_and_three_bit_exactly(fsdp2_
 
 
 def test_a_rank_killed_inside_dcp_save_commits_nothing(tmp_path):
-    port, root, out = free_port(), tmp_path / "root", tmp_path / "out"
-    procs = []
-    for rank in range(2):
-        env = worker_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(port))
-        log = tmp_path / f"log-{rank}.txt"
-        procs.append((start([sys.executable, WORKER, "kill", str(root), str(out)], log, env), log))
-    codes = [finish(proc, log, timeout_s=120) for proc, log in procs]
-    assert codes == [0, -signal.SIGKILL], [tail(log) for _, log in procs]
+    root, out = tmp_path / "root", tmp_path / "out"
+    codes, logs = ranks_without_agent(tmp_path, [sys.executable, WORKER, "kill", str(root), str(out)])
+    assert codes == [0, -signal.SIGKILL], [tail(log) for log in logs]
     seen = json.loads((out / "kill-r0.json").read_text())
     assert seen["dcp_error"] is not None, seen  # DCP's save failed on rank 0 too
     assert seen["statuses"] == ["committed", "failed"] and seen["error"] is None and seen["latest"] == 1, seen

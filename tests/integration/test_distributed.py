@@ -83,6 +83,20 @@ def finish(proc: subprocess.Popen, log: Path, timeout_s: float = LAUNCH_TIMEOUT_
         pytest.fail(f"{proc.args} did not end within {timeout_s:.0f} s; its log ends:\n{tail(log)}")
 
 
+def ranks_without_agent(tmp_path: Path, argv: list[str], world: int = 2,
+                        timeout_s: float = 120) -> tuple[list[int], list[Path]]:
+    """Run ``argv`` as every rank of a job of ``world`` with no launcher agent (a rank that dies
+    is not restarted nor its peers stopped): the exit codes and the logs, in rank order."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = worker_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(port))
+        log = tmp_path / f"log-{rank}.txt"
+        procs.append((start(argv, log, env), log))
+    return [finish(proc, log, timeout_s=timeout_s) for proc, log in procs], [log for _, log in procs]
+
+
 def tail(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
 
@@ -308,15 +322,9 @@ def test_a_step_one_rank_cannot_read_makes_every_rank_fall_back_together(tmp_pat
 # -- failures -------------------------------------------------------------------------------------------
 
 def test_a_rank_killed_mid_checkpoint_fails_the_step_on_the_others_without_an_agent(tmp_path):
-    port, root, out = free_port(), tmp_path / "root", tmp_path / "out"
-    procs = []
-    for rank in range(2):
-        env = worker_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(port))
-        log = tmp_path / f"log-{rank}.txt"
-        procs.append((start([sys.executable, WORKER, "kill", str(root), str(out), "--timeout-s", "10"], log, env), log))
-    codes = [finish(proc, log, timeout_s=120) for proc, log in procs]
-    assert codes == [0, -signal.SIGKILL], [tail(log) for _, log in procs]
+    root, out = tmp_path / "root", tmp_path / "out"
+    codes, logs = ranks_without_agent(tmp_path, [sys.executable, WORKER, "kill", str(root), str(out), "--timeout-s", "10"])
+    assert codes == [0, -signal.SIGKILL], [tail(log) for log in logs]
     seen = json.loads((out / "kill-r0.json").read_text())
     error = seen["error"]
     assert error is not None, seen
