@@ -56,12 +56,21 @@ class Slab:
         self.views: dict[Any, list[torch.Tensor]] = {}
         self.in_use = False
         self.kept = False  # holds the newest complete snapshot kept in memory (``_keep``): not free
-        self.pinned = False
+        self.pinned = False  # registered with CUDA (``pin``): device-to-host copies into it run at full speed
+        self._pin_refused = False
         self.sparse = False  # pages not allocated yet: never written through the map (``written``)
 
     @property
     def name(self) -> str:
         return self.segment.name
+
+    def pin(self) -> bool:
+        """Page-lock the slab (once; a refusal is not retried); whether it is. Its pages must exist
+        (not ``sparse``): registering maps every one."""
+        if not self.pinned and not self._pin_refused:
+            self.pinned = _pin(self.tensor)
+            self._pin_refused = not self.pinned
+        return self.pinned
 
     @property
     def capacity(self) -> int:
@@ -165,7 +174,7 @@ class Arena:
                     break
                 slab.tensor[start:start + _TOUCH].zero_()
         if pin:
-            slab.pinned = _pin(slab.tensor)
+            slab.pin()
         return slab
 
     def ensure_spare(self, nbytes: int, *, count: int = 1) -> None:

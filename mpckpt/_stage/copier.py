@@ -2,8 +2,9 @@
 
 ``copy_wave`` copies every piece of one wave into its slab through typed views that are
 built once per (layout, slab) and cached on the slab, so a repeated save costs one
-``copy_`` per tensor and nothing else. CUDA tensors are copied device-to-host on the current
-stream (into page-locked slabs when pinning succeeded) and synchronised before returning.
+``copy_`` per tensor and nothing else. CUDA tensors are copied device-to-host on a stream of
+mpckpt's own, small ones gathered on the device first (``device``); ``copy_wave`` waits for
+those copies, unless asked to hand back their events (an overlapped save).
 
 ``estimate_state_bytes`` sizes the first slab before training has produced optimizer
 state, so the slab can be created and touched at open instead of inside the first save.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
+from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.layout import Layout, WavePlan
 from mpckpt._stage.snapshot import FlatState
@@ -39,19 +41,27 @@ def _views(slab: Slab, layout: Layout, wave_index: int, wave: WavePlan) -> list[
 
 @torch.no_grad()  # sources may be parameters that require grad; the copy is not part of training
 def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
-              only: Callable[[int], bool] | None = None) -> None:
-    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts)."""
+              only: Callable[[int], bool] | None = None, wait: bool = True) -> device.Events:
+    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts).
+
+    The copies of CUDA tensors are waited for, unless not ``wait``: then their events are
+    returned, and the caller waits (``device.wait``) before anything reads the slab, keeping
+    ``flat`` (its sources) referenced until then.
+    """
     wave = layout.waves[wave_index]
     views = _views(slab, layout, wave_index, wave)
     sources = flat.sources
     if only is None and not flat.on_cuda and wave.whole_leaves is not None:  # the common case, fast
         torch._foreach_copy_(views, [sources[i] for i in wave.whole_leaves])
-        return
+        return []
     if flat.on_cuda:
-        _copy_pieces(wave.copy_plan, views, sources, only, cuda=True, non_blocking=slab.pinned)
-        torch.cuda.current_stream().synchronize()
-    else:
-        _copy_pieces(wave.copy_plan, views, sources, only, cuda=False, non_blocking=False)
+        events = device.device_copies().start(sources, flat.key, wave, views, slab, only)
+        if wait:
+            device.wait(events)
+            return []
+        return events
+    _copy_pieces(wave.copy_plan, views, sources, only)
+    return []
 
 
 _FEED_BYTES = 4 << 20  # copied, then fed on while still in the cache (``copy_wave_fed``)
@@ -143,7 +153,7 @@ def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
 
 
 def _copy_pieces(plan: list[tuple[int, tuple[int, int] | None]], views: list[torch.Tensor], sources: list[torch.Tensor],
-                 only: Callable[[int], bool] | None, *, cuda: bool, non_blocking: bool) -> None:
+                 only: Callable[[int], bool] | None) -> None:
     # INVARIANT: ``plan`` and ``views`` list the wave's pieces in the same order.
     dsts, srcs = [], []
     for dst, (leaf, chunk) in zip(views, plan, strict=True):
@@ -154,10 +164,7 @@ def _copy_pieces(plan: list[tuple[int, tuple[int, int] | None]], views: list[tor
             src = src.reshape(-1)[chunk[0]:chunk[1]]
         dsts.append(dst)
         srcs.append(src)
-    if cuda:  # device to host, asynchronous into page-locked slabs: one copy each, on the stream
-        for dst, src in zip(dsts, srcs, strict=True):
-            dst.copy_(src, non_blocking=non_blocking)
-    elif dsts:
+    if dsts:
         # one call for the whole wave: with many small tensors the per-call cost of copy_
         # from Python is as large as the copy itself
         torch._foreach_copy_(dsts, srcs)

@@ -9,6 +9,10 @@ inside ``optimizer.step()``, so a global optimizer step pre-hook waits for the c
 ``Checkpointer.snapshot_barrier()`` first. The time the hook waits is added to that save's
 ``barrier_ms``: the training loop did wait for it.
 
+On a GPU the copies are enqueued on mpckpt's own stream at ``save`` (``device``); the hook then
+makes the step's stream wait for their event on the GPU, and the host thread waits for nothing
+(``barrier_ms`` stays 0: the GPU's wait is the copy's remaining time, not the loop's).
+
 INVARIANT: at most one background copy is in flight; a new save waits for the previous one.
 """
 
@@ -24,6 +28,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mpckpt._futures import SaveStats
+from mpckpt._stage import device
 from mpckpt._stage.snapshot import FlatState
 from mpckpt.errors import WaitTimeoutError
 
@@ -65,9 +70,14 @@ class BackgroundCopier:
         self._idle = threading.Event()
         self._idle.set()
         self._stats: SaveStats | None = None
+        self._device_events: device.Events = []  # the copy in flight runs on a GPU (``device``)
         self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
+        events = self._device_events
+        if events:  # the step's kernels wait for the copies on the GPU; every optimizer's step does
+            device.stream_wait(events)
+            return
         self.barrier()
 
     def barrier(self) -> float:
@@ -82,11 +92,13 @@ class BackgroundCopier:
             self._stats.barrier_ms += waited
         return waited
 
-    def run(self, stats: SaveStats, copy: Callable[[], None]) -> None:
-        """Start ``copy`` in the background (after any earlier copy has finished)."""
+    def run(self, stats: SaveStats, copy: Callable[[], None], *, device_events: device.Events | None = None) -> None:
+        """Start ``copy`` in the background (after any earlier copy has finished); ``device_events``:
+        the snapshot's copies already enqueued on a GPU, which an optimizer step waits for there."""
         self.barrier()
         self._idle.clear()
         self._stats = stats
+        self._device_events = list(device_events or [])
 
         def wrapped() -> None:
             try:

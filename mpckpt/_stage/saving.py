@@ -32,6 +32,7 @@ from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._dist.plan import BLOCK_BYTES
 from mpckpt._dist.skeleton import rank_skeleton_bytes
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
+from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes
@@ -263,14 +264,26 @@ class Snapshotter:
         started = time.perf_counter()
         allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
         guarded = step_guarded_leaves(state, flat) - reuse.leaves
-        # what the next forward may change in place (buffers) is copied now (kept: frozen ones too)
-        copy_wave(flat, layout, 0, slab,
-                  only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
+        # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
+        # on a GPU: enqueued, and training's stream waits for it there, the host does not
+        early = copy_wave(flat, layout, 0, slab, wait=False,
+                          only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
+        # on a GPU the rest is enqueued now too, behind it on mpckpt's stream: the next optimizer
+        # step's kernels wait for it on the GPU (``BackgroundCopier``), this thread for nothing
+        try:
+            late = copy_wave(flat, layout, 0, slab, wait=False, only=guarded.__contains__) if flat.on_cuda else None
+        except BaseException:
+            device.wait(early)  # nothing may still be landing in a slab given back
+            raise
+        device.stream_wait(early)
 
         def rest() -> None:
             submitted = False
             try:
-                copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                if late is None:
+                    copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                else:
+                    device.wait(late)  # (``flat`` holds the sources until their copies are done)
                 if kept is not None:
                     kept(slab)
                 self._submit_wave(record, layout, 0, slab, reuse)
@@ -286,7 +299,7 @@ class Snapshotter:
 
         if self._copier is None:
             self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
-        self._copier.run(record.stats, rest)
+        self._copier.run(record.stats, rest, device_events=late)
 
     def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
         shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]

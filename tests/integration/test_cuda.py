@@ -1,4 +1,8 @@
-"""CUDA tensors: device-to-host into (pinned) slabs, restored bit-identical. Needs a GPU."""
+"""CUDA tensors: device-to-host on mpckpt's own stream into pinned slabs, small ones gathered on the
+device first (``_stage.device``), restored bit-identical. Needs a GPU (skipped without one).
+
+``torch.cuda._sleep`` holds a stream busy for a while: work queued behind it has not run yet when
+``save`` is called, so a copy not ordered after it would read the old bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import torch
 import mpckpt
 from mpckpt import _testing
 from tests.conftest import assert_same
+
+SPIN = 50_000_000  # GPU cycles of torch.cuda._sleep: tens of milliseconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -74,3 +80,123 @@ def test_fsdp2_on_a_cuda_mesh_saves_and_restores_as_cuda_dtensors(tmp_path):
         assert type(moment).__name__ == "DTensor" and moment.to_local().is_cuda
     finally:
         dist.destroy_process_group()
+
+
+def many_small_model() -> torch.nn.Module:
+    """About 600 small parameters (gathered on the device), one large one (copied alone), and
+    BatchNorm buffers that every forward changes in place."""
+    torch.manual_seed(1)
+    layers = [torch.nn.Linear(16, 16) for _ in range(300)]
+    return torch.nn.ModuleDict({"small": torch.nn.Sequential(*layers), "big": torch.nn.Linear(1024, 1024),
+                                "norm": torch.nn.BatchNorm1d(16)}).cuda()
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(8, 16, device="cuda")
+    loss = model["small"](model["norm"](x)).sum() + model["big"](torch.randn(2, 1024, device="cuda")).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def cpu_copy(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    torch.cuda.synchronize()
+    return {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "optim": {i: {k: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                      for i, s in opt.state_dict()["state"].items()}}
+
+
+def same_as(expected: dict, loaded: dict) -> None:
+    assert_same(dict(sorted(loaded["model"].items())), dict(sorted(expected["model"].items())))
+    for i, per_param in expected["optim"].items():
+        got = loaded["optim"]["state"][i]
+        for k, v in per_param.items():
+            if isinstance(v, torch.Tensor):
+                assert_same(got[k], v)
+            else:
+                assert got[k] == v
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_save_holds_its_steps_values_while_training_goes_on(tmp_path, overlap):
+    """Each save holds exactly the state of its step, though the next forward (BatchNorm's
+    buffers), backward and optimizer step are queued right behind it on the training stream."""
+    model = many_small_model()
+    opt = torch.optim.Adam(model.parameters())  # its "step" counters stay on the CPU
+    train_step(model, opt)
+    expected = {}
+    with mpckpt.Checkpointer(tmp_path, workers=2, keep_in_memory=False) as ckpt:
+        for step in range(4):
+            expected[step] = cpu_copy(model, opt)
+            torch.cuda._sleep(SPIN)  # the stream is busy: the copies must wait for it, not race it
+            ckpt.save(step, {"model": model, "optim": opt}, overlap=overlap)
+            train_step(model, opt)  # changes buffers at once, parameters and moments at its step
+        ckpt.wait()
+    for step, values in expected.items():
+        same_as(values, mpckpt.load(tmp_path, step=step))
+
+
+def test_work_queued_before_a_save_is_in_it(tmp_path):
+    """A change queued on the training stream before ``save`` (not yet run) is what gets saved."""
+    big = torch.zeros(64 << 18, device="cuda")  # 64 MiB: copied alone
+    small = [torch.zeros(100, device="cuda") for _ in range(50)]  # gathered
+    with mpckpt.Checkpointer(tmp_path, workers=2) as ckpt:
+        for step in range(3):
+            torch.cuda._sleep(SPIN)
+            big.add_(1)
+            for t in small:
+                t.add_(1)
+            ckpt.save(step, {"big": big, "small": small}, overlap=bool(step % 2))
+        ckpt.wait()
+    loaded = mpckpt.load(tmp_path, step=2)
+    assert torch.equal(loaded["big"], torch.full_like(big, 3).cpu())
+    assert all(torch.equal(t, torch.full((100,), 3.0)) for t in loaded["small"])
+
+
+def test_twenty_thousand_tensors_of_mixed_dtypes_round_trip(tmp_path):
+    torch.manual_seed(2)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64]
+    state = {f"t{i}": torch.randint(0, 100, (i % 37 + 1,), device="cuda").to(dtypes[i % len(dtypes)])
+             for i in range(20_000)}
+    state["bool"] = torch.rand(999, device="cuda") > 0.5
+    state["complex"] = torch.randn(33, dtype=torch.complex128, device="cuda")
+    with mpckpt.Checkpointer(tmp_path, workers=3) as ckpt:
+        ckpt.save(0, state, mode="sync")
+        for t in state.values():
+            t.zero_() if t.dtype is not torch.bool else t.logical_not_()
+        ckpt.save(1, state, mode="sync")  # the same plan again, other bytes
+    loaded = mpckpt.load(tmp_path, step=1)
+    assert loaded.keys() == state.keys()
+    for k, t in state.items():
+        assert_same(loaded[k], t.cpu())
+
+
+def test_a_state_on_the_gpu_and_the_cpu_restores_to_each_device(tmp_path):
+    """bf16 parameters on the GPU, fp32 master copies and moments there too, step counters and a
+    loose tensor on the CPU; restored from memory and from storage into live tensors."""
+    torch.manual_seed(3)
+    master = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(master.parameters())
+    master(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    state = {"bf16": {k: v.detach().to(torch.bfloat16) for k, v in master.state_dict().items()},
+             "master": master, "optim": opt, "counter": torch.tensor([7], dtype=torch.int64)}
+    expected = cpu_copy(master, opt)
+    ckpt = mpckpt.Checkpointer(tmp_path, workers=2)
+    ckpt.save(5, state, mode="sync")
+    ckpt.save(6, state, mode="memory")
+    ckpt.close(leave_in_memory=True)  # as a crash leaves it
+    for source in ("memory", "storage"):
+        fresh = torch.nn.Linear(256, 256).cuda()
+        fresh_opt = torch.optim.AdamW(fresh.parameters())
+        target = {"bf16": {k: torch.zeros_like(v) for k, v in state["bf16"].items()}, "master": fresh,
+                  "optim": fresh_opt, "counter": torch.tensor([0], dtype=torch.int64)}
+        again = mpckpt.Checkpointer(tmp_path, workers=1)
+        assert again.restore(target) == (6 if source == "memory" else 5)
+        assert again.last_restore.source == source
+        again.close(leave_in_memory=False)  # the kept step 6 is gone: the next restore reads storage
+        assert all(t.is_cuda for t in target["bf16"].values()) and next(fresh.parameters()).is_cuda
+        for k, v in state["bf16"].items():
+            assert_same(target["bf16"][k].cpu(), v.cpu())
+        assert_same({k: v.detach().cpu() for k, v in fresh.state_dict().items()}, expected["model"])
+        assert int(target["counter"]) == 7
