@@ -114,7 +114,9 @@ def _apply(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -> An
             raise StateError(f"state key {where!r}: shape {tuple(loaded.shape)} in the checkpoint, "
                              f"{tuple(target.shape)} in memory", key=path)
         with torch.no_grad():
-            target.copy_(loaded)  # a leaf read in place (``_read.live``) is target's memory: torch returns at once
+            # a leaf read in place (``_read.live``) is target's memory: torch returns at once; one read
+            # into page-locked memory for a GPU tensor goes up asynchronously, ordered on the stream
+            target.copy_(loaded, non_blocking=target.is_cuda and loaded.is_pinned())
         return target
     np = sys.modules.get("numpy")  # a live value cannot be a numpy array unless numpy is imported
     if np is not None and type(target) is np.ndarray:

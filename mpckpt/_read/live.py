@@ -25,6 +25,10 @@ keeps the very moment objects it is given.
 
 Nothing here trusts the skeleton: whatever it holds, a malformed one only means no live leaf
 (the fresh path then names what is wrong with it).
+
+A leaf whose live tensor is on a GPU cannot be read into in place; ``staged_for_gpu`` gives it
+memory of its own in one page-locked buffer instead, so that applying it is an asynchronous
+host-to-device copy at full speed (``apply``), not a copy from pageable memory that waits.
 """
 
 from __future__ import annotations
@@ -150,3 +154,37 @@ def _index(value: Any, count: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
         raise ValueError(f"{str(value)[:40]!r} is not an index below {count}")
     return value
+
+
+_STAGE_ALIGN = 64
+
+
+def staged_for_gpu(skeleton: Skeleton, flat: FlatState) -> dict[int, torch.Tensor]:
+    """For each checkpoint leaf (by index) whose live tensor of the same name, dtype and shape is
+    on a CUDA device: 1-D memory of its stored dtype in one page-locked buffer, to read it into.
+    Empty without CUDA, or when page-locked memory is refused."""
+    if not torch.cuda.is_available():
+        return {}
+    by_name = {leaf.name: i for i, leaf in enumerate(flat.leaves) if flat.sources[i].is_cuda and not leaf.raw}
+    wanted: list[tuple[int, torch.dtype, int, int]] = []  # (leaf index, stored dtype, elements, offset)
+    total = 0
+    try:
+        for index, spec in enumerate(skeleton.leaves):
+            i = by_name.get(spec["name"]) if isinstance(spec.get("name"), str) else None
+            if i is None or spec.get("raw") or spec["shape"] != list(flat.leaves[i].shape):
+                continue
+            if spec["dtype"] != _dtypes.dtype_name(flat.leaves[i].dtype):
+                continue
+            dtype = _dtypes.stored_dtype(flat.leaves[i].code)
+            numel = flat.sources[i].numel()
+            wanted.append((index, dtype, numel, total))
+            total += -(-numel * dtype.itemsize // _STAGE_ALIGN) * _STAGE_ALIGN
+    except (KeyError, TypeError, AttributeError):
+        return {}
+    if not wanted:
+        return {}
+    try:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return {}
+    return {index: buffer[at:at + numel * dtype.itemsize].view(dtype) for index, dtype, numel, at in wanted}

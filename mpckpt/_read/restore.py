@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from mpckpt._futures import LastRestore
 from mpckpt._read.apply import apply_state, init_optimizer_state
 from mpckpt._read.load import load_state, verify_checkpoint
@@ -290,6 +292,8 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
             loaded = shard_like_live(load_state(source, allow_pickle=allow_pickle), targets())
             read = sum(e.size for e in manifest.files.values())
         apply_state(state, loaded, strict=strict, source=f"step {manifest.step} of {url}")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # copies to a GPU went up asynchronously: restored means there
         return read
 
     try:

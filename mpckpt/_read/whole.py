@@ -45,7 +45,7 @@ import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._progress import reading_bar
-from mpckpt._read.live import LiveLeaf, live_targets
+from mpckpt._read.live import LiveLeaf, live_targets, staged_for_gpu
 from mpckpt._read.skeleton import Skeleton, build, error, read_skeleton
 from mpckpt._read.sources import Source
 from mpckpt._read.verified import check_digest, checked_size, memory, read_header, stream_verified
@@ -96,9 +96,9 @@ def _open_shard(source: Source, relpath: str, bar: Any) -> _Shard:
 
 
 def _leaf(spec: dict[str, Any], shards: dict[str, _Shard], *, meta: bool = False,
-          live: LiveLeaf | None = None) -> torch.Tensor:
-    """Memory of its own for one leaf, or ``live``'s when it is stored alike; tells its shards
-    where each part's bytes go.
+          live: LiveLeaf | None = None, staged: torch.Tensor | None = None) -> torch.Tensor:
+    """Memory of its own for one leaf (``staged``'s, page-locked, when it is stored alike), or
+    ``live``'s when it is stored alike; tells its shards where each part's bytes go.
 
     With ``meta`` the leaf is a meta tensor (no memory, nothing to read): every check runs
     all the same, so ``check_whole`` knows that loading would work.
@@ -129,8 +129,11 @@ def _leaf(spec: dict[str, Any], shards: dict[str, _Shard], *, meta: bool = False
     code = codes.pop()
     if live is not None and (meta or raw or live.code != code or live.stored.numel() != numel):
         live = None
-    stored = live.stored if live is not None else torch.empty(numel, dtype=_dtypes.stored_dtype(code),
-                                                              device="meta" if meta else "cpu")
+    dtype = _dtypes.stored_dtype(code)
+    if staged is not None and (meta or live is not None or staged.dtype != dtype or staged.numel() != numel):
+        staged = None
+    stored = live.stored if live is not None else staged if staged is not None else torch.empty(
+        numel, dtype=dtype, device="meta" if meta else "cpu")
     view, at = (None if meta else memory(stored)), 0
     for shard, entry, _, _ in found:
         if entry.name in shard.wanted:
@@ -226,10 +229,10 @@ def _read_chunk(source: Source, relpath: str, chunk: _Chunk, bar: Any, wrote: th
     hashed.arrived(index, view)
 
 
-def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int,
-                 live: dict[int, LiveLeaf] | None = None) -> list[torch.Tensor]:
-    """Every leaf in memory of its own or in its ``live`` tensor (by leaf index), after every
-    shard verified."""
+def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int, live: dict[int, LiveLeaf] | None = None,
+                 staged: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Every leaf in memory of its own (``staged``'s, by leaf index, where given) or in its
+    ``live`` tensor (by leaf index), after every shard verified."""
     names = skeleton.shard_names
     bar = reading_bar(sum(source.manifest.files[s].size for s in names), f"mpckpt load {source.name}")
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mpckpt-read")
@@ -238,7 +241,8 @@ def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int,
     try:
         shards = dict(zip(names, pool.map(lambda s: _open_shard(source, s, bar), names), strict=True))
         try:
-            leaves = [_leaf(spec, shards, live=live.get(i)) for i, spec in enumerate(skeleton.leaves)]
+            staged = staged or {}
+            leaves = [_leaf(spec, shards, live=live.get(i), staged=staged.get(i)) for i, spec in enumerate(skeleton.leaves)]
         except MISMATCH as e:
             for s in names:  # a damaged shard explains a mismatch best: its checksum error first
                 stream_verified(source, s)
@@ -288,11 +292,13 @@ def load_whole(source: Source, *, allow_pickle: bool = False, classes: bool = Tr
     """The plain nested state of a checkpoint one process saved, every file verified.
 
     ``live``: the flattened live state of a restore; the leaves ``live_targets`` allows are read
-    straight into its tensors (and are those tensors in what this returns).
+    straight into its tensors (and are those tensors in what this returns); those whose live
+    tensor is on a GPU are read into page-locked memory (``staged_for_gpu``).
     """
     skeleton = read_skeleton(source)
     targets = live_targets(skeleton, live) if live is not None else None
-    leaves = _read_leaves(source, skeleton, threads=threads, live=targets)
+    staged = staged_for_gpu(skeleton, live) if live is not None and live.on_cuda else None
+    leaves = _read_leaves(source, skeleton, threads=threads, live=targets, staged=staged)
     return build(skeleton, leaves, allow_pickle=allow_pickle, classes=classes)
 
 
