@@ -9,10 +9,6 @@ On this project's 2-core VM, for 1 GiB: fallocate + copy through the map 5.8 s, 
 lazily faulted map 2.6 s, ``pwrite`` 0.88 s, a copy into touched memory 0.84 s (one run, other
 processes on both cores: the ratios, not the seconds).
 
-A slab whose pages this process has not mapped (``Slab.mapped`` False: filled here, or taken over
-from a snapshot kept by a previous process) is filled the same way at every save, so its map is
-never faulted in at all.
-
 INVARIANT: nothing writes a sparse slab through its map. A save fills it through the file
 (``write_wave``: every piece, then the pages no piece covers are allocated) or allocates it whole
 first (``allocate``); both leave it dense. A failure leaves it sparse.
