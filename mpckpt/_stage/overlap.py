@@ -71,6 +71,7 @@ class BackgroundCopier:
         self._idle.set()
         self._stats: SaveStats | None = None
         self._device_events: device.Events = []  # the copy in flight runs on a GPU (``device``)
+        self._copied = False  # the copy is done: the background only keeps and submits it
         self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
@@ -78,7 +79,8 @@ class BackgroundCopier:
         if events:  # the step's kernels wait for the copies on the GPU; every optimizer's step does
             device.stream_wait(events)
             return
-        self.barrier()
+        if not self._copied:
+            self.barrier()
 
     def barrier(self) -> float:
         """Wait for the copy in flight (if any); return the milliseconds waited."""
@@ -92,13 +94,16 @@ class BackgroundCopier:
             self._stats.barrier_ms += waited
         return waited
 
-    def run(self, stats: SaveStats, copy: Callable[[], None], *, device_events: device.Events | None = None) -> None:
+    def run(self, stats: SaveStats, copy: Callable[[], None], *, device_events: device.Events | None = None,
+            copied: bool = False) -> None:
         """Start ``copy`` in the background (after any earlier copy has finished); ``device_events``:
-        the snapshot's copies already enqueued on a GPU, which an optimizer step waits for there."""
+        the snapshot's copies already enqueued on a GPU, which an optimizer step waits for there;
+        ``copied``: every copy is already done (``copy`` keeps and submits), a step waits for nothing."""
         self.barrier()
         self._idle.clear()
         self._stats = stats
         self._device_events = list(device_events or [])
+        self._copied = copied
 
         def wrapped() -> None:
             try:

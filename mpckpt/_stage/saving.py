@@ -120,6 +120,8 @@ class Snapshotter:
                                      stats=stats) if keeping else None
             if overlap and len(layout.waves) == 1:
                 self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept)
+            elif flat.on_cuda and kept is not None:  # copied now; hashed to keep off the training thread
+                self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept, copied=True)
             else:
                 self._snapshot_eager(record, flat, layout, first, reuse, kept)
         return record.future
@@ -259,23 +261,33 @@ class Snapshotter:
         self.budget.spare_for(layout)
 
     def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout,
-                             slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None) -> None:
+                             slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None, *,
+                             copied: bool = False) -> None:
+        """The copy of what only an optimizer step changes runs in the background (``overlap``), and
+        so do keeping and submitting the wave. ``copied`` (a GPU state's eager save that keeps its
+        snapshot): every copy is done before this returns; only the hash that keeping needs (a read
+        of the whole slab, longer than the copy from the device) and the submission run after."""
         assert slab is not None
         started = time.perf_counter()
         allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
-        guarded = step_guarded_leaves(state, flat) - reuse.leaves
-        # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
-        # on a GPU: enqueued, and training's stream waits for it there, the host does not
-        early = copy_wave(flat, layout, 0, slab, wait=False,
-                          only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
-        # on a GPU the rest is enqueued now too, behind it on mpckpt's stream: the next optimizer
-        # step's kernels wait for it on the GPU (``BackgroundCopier``), this thread for nothing
-        try:
-            late = copy_wave(flat, layout, 0, slab, wait=False, only=guarded.__contains__) if flat.on_cuda else None
-        except BaseException:
-            device.wait(early)  # nothing may still be landing in a slab given back
-            raise
-        device.stream_wait(early)
+        late: device.Events | None
+        if copied:
+            guarded: set[int] = set()
+            late = copy_wave(flat, layout, 0, slab)  # every leaf (kept: frozen ones too), waited for: []
+        else:
+            guarded = step_guarded_leaves(state, flat) - reuse.leaves
+            # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
+            # on a GPU: enqueued, and training's stream waits for it there, the host does not
+            early = copy_wave(flat, layout, 0, slab, wait=False,
+                              only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
+            # on a GPU the rest is enqueued now too, behind it on mpckpt's stream: the next optimizer
+            # step's kernels wait for it on the GPU (``BackgroundCopier``), this thread for nothing
+            try:
+                late = copy_wave(flat, layout, 0, slab, wait=False, only=guarded.__contains__) if flat.on_cuda else None
+            except BaseException:
+                device.wait(early)  # nothing may still be landing in a slab given back
+                raise
+            device.stream_wait(early)
 
         def rest() -> None:
             submitted = False
@@ -299,7 +311,7 @@ class Snapshotter:
 
         if self._copier is None:
             self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
-        self._copier.run(record.stats, rest, device_events=late)
+        self._copier.run(record.stats, rest, device_events=late, copied=copied)
 
     def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
         shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]

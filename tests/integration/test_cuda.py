@@ -117,15 +117,17 @@ def same_as(expected: dict, loaded: dict) -> None:
                 assert got[k] == v
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_save_holds_its_steps_values_while_training_goes_on(tmp_path, overlap):
+def test_a_save_holds_its_steps_values_while_training_goes_on(tmp_path, overlap, keep):
     """Each save holds exactly the state of its step, though the next forward (BatchNorm's
-    buffers), backward and optimizer step are queued right behind it on the training stream."""
+    buffers), backward and optimizer step are queued right behind it on the training stream.
+    ``keep``: the snapshot is also kept in memory (an eager save hashes it in the background)."""
     model = many_small_model()
     opt = torch.optim.Adam(model.parameters())  # its "step" counters stay on the CPU
     train_step(model, opt)
     expected = {}
-    with mpckpt.Checkpointer(tmp_path, workers=2, keep_in_memory=False) as ckpt:
+    with mpckpt.Checkpointer(tmp_path, workers=2, keep_in_memory=keep) as ckpt:
         for step in range(4):
             expected[step] = cpu_copy(model, opt)
             torch.cuda._sleep(SPIN)  # the stream is busy: the copies must wait for it, not race it
