@@ -14,13 +14,14 @@ what this rank saved, plus, per leaf, its ``kind``:
 wrote, so that a reader of a byte range checks it without reading the whole file; the
 skeleton itself is covered by the manifest's checksum.
 
-This module writes it; ``_read.skeleton`` is the one parser (versions and limits:
+This module writes it (``RankSkeletonText``: from parts made once, as ``_stage.skeleton_text``
+does for one process); ``_read.skeleton`` is the one parser (versions and limits:
 ``format.skeleton``).
 """
 
 from __future__ import annotations
 
-import json
+import threading
 from typing import Any
 
 from mpckpt._dtypes import dtype_name
@@ -28,12 +29,9 @@ from mpckpt.format.names import rank_prefix
 from mpckpt.format.skeleton import RANK_SKELETON_VERSION
 
 
-def rank_skeleton_bytes(flat: Any, layout: Any, plan: Any, blocks: dict[str, list[str]], *, rank: int,
-                        world_size: int) -> bytes:
-    """This rank's skeleton (``flat``: its FlatState, ``layout`` what it wrote, ``plan`` who
-    writes the replicated leaves, ``blocks`` the block checksums its uploaders returned)."""
-    from mpckpt._dist.plan import BLOCK_BYTES
-
+def rank_leaves_doc(flat: Any, layout: Any, plan: Any) -> list[dict[str, Any]]:
+    """The ``leaves`` of a rank's skeleton (``flat``: its FlatState, ``layout`` what it wrote,
+    ``plan`` who writes the replicated leaves)."""
     dist = flat.dist
     leaves = []
     for i, leaf in enumerate(flat.leaves):
@@ -50,9 +48,41 @@ def rank_skeleton_bytes(flat: Any, layout: Any, plan: Any, blocks: dict[str, lis
         elif kind == "replicated":
             doc["writer"] = plan.writer[i]
         leaves.append(doc)
+    return leaves
+
+
+def blocks_doc(blocks: dict[str, list[str]], rank: int) -> dict[str, list[str]]:
+    """Each shard file's block checksums, by its name without the rank's prefix."""
     prefix = rank_prefix(rank)
-    doc = {"version": RANK_SKELETON_VERSION, "rank": rank, "world_size": world_size, "block_size": BLOCK_BYTES,
-           "tree": flat.tree, "table": flat.table, "leaves": leaves,
-           "blocks": {name[len(prefix):] if name.startswith(prefix) else name: digests
-                      for name, digests in sorted(blocks.items())}}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return {name[len(prefix):] if name.startswith(prefix) else name: digests for name, digests in sorted(blocks.items())}
+
+
+class RankSkeletonText:
+    """This rank's skeleton bytes, save after save: the table's and the leaves' text made once per
+    state shape, layout and plan (the flatten memo, the layout cache and the planner hand out the
+    same objects while nothing changed), the tree joined from the nodes ``recall`` took over.
+    Called from the training thread (a kept snapshot) and the committer.
+
+    INVARIANT: the bytes are ``json.dumps(doc, separators=(",", ":"), allow_nan=False)`` of
+    ``{"version", "rank", "world_size", "block_size", "tree", "table", "leaves", "blocks"}``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: tuple[Any, ...] | None = None  # (table, leaves, layout, dist, plan, table text, leaves text)
+
+    def __call__(self, flat: Any, layout: Any, plan: Any, blocks: dict[str, list[str]], *, rank: int,
+                 world_size: int) -> bytes:
+        from mpckpt._dist.plan import BLOCK_BYTES
+        from mpckpt._stage.skeleton_text import dumps, tree_text
+
+        key = (flat.table, flat.leaves, layout, flat.dist, plan)
+        with self._lock:
+            parts = self._parts
+        if parts is None or any(a is not b for a, b in zip(parts[:5], key, strict=True)):
+            parts = (*key, dumps(flat.table), dumps(rank_leaves_doc(flat, layout, plan)))
+            with self._lock:
+                self._parts = parts
+        return (f'{{"version":{RANK_SKELETON_VERSION},"rank":{dumps(rank)},"world_size":{dumps(world_size)},'
+                f'"block_size":{BLOCK_BYTES},"tree":{tree_text(flat.tree)},"table":{parts[5]},"leaves":{parts[6]},'
+                f'"blocks":{dumps(blocks_doc(blocks, rank))}}}').encode()

@@ -30,7 +30,7 @@ from typing import Any
 
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._dist.plan import BLOCK_BYTES
-from mpckpt._dist.skeleton import rank_skeleton_bytes
+from mpckpt._dist.skeleton import RankSkeletonText
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
@@ -63,6 +63,7 @@ class Snapshotter:
     frozen: FrozenShards = field(init=False)
     memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
     skeleton: SkeletonText = field(default_factory=SkeletonText, init=False)  # skeleton.json's bytes
+    rank_skeleton: RankSkeletonText = field(default_factory=RankSkeletonText, init=False)  # a rank's, in a job
     planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
     keeper: Any = None   # keeps the newest complete snapshot in memory (``_keep.keeper.Keeper``)
     _copier: BackgroundCopier | None = field(default=None, init=False)
@@ -109,7 +110,7 @@ class Snapshotter:
         with self.ledger.recording(step, "state", stats, metrics, on_error=release_first) as record:
             if self.planner is not None:
                 group = self.planner.group
-                self.ledger.add_small_file(record, rank_skeleton_name(group.rank), lambda: rank_skeleton_bytes(
+                self.ledger.add_small_file(record, rank_skeleton_name(group.rank), lambda: self.rank_skeleton(
                     flat, layout, plan, record.blocks, rank=group.rank, world_size=group.world_size))
             else:
                 self.ledger.add_small_file(record, SKELETON_NAME, lambda: self.skeleton(flat, layout))
@@ -180,7 +181,7 @@ class Snapshotter:
             small_name = rank_skeleton_name(group.rank)
 
             def small(blocks: dict[str, list[str]]) -> bytes:
-                return rank_skeleton_bytes(flat, layout, plan, blocks, rank=group.rank, world_size=group.world_size)
+                return self.rank_skeleton(flat, layout, plan, blocks, rank=group.rank, world_size=group.world_size)
         else:
             small_name = SKELETON_NAME
 

@@ -27,7 +27,7 @@ from mpckpt.format.skeleton import SKELETON_VERSION
 _SMALL = 64  # a node of more entries than this is dumped whole rather than walked in Python
 
 
-def _dumps(value: Any) -> str:
+def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
@@ -36,11 +36,11 @@ def tree_text(node: Any) -> str:
     if type(node) is FrozenNode:
         return node.text()
     if type(node) is dict and len(node) <= 4 and node.get(TAG) in ("dict", "tuple") and len(node["v"]) <= _SMALL:
-        parts = [f"{_dumps(k)}:{tree_text(v) if k == 'v' else _dumps(v)}" for k, v in node.items()]
+        parts = [f"{dumps(k)}:{tree_text(v) if k == 'v' else dumps(v)}" for k, v in node.items()]
         return "{" + ",".join(parts) + "}"
     if type(node) is list and len(node) <= _SMALL:
         return "[" + ",".join(map(tree_text, node)) + "]"
-    return _dumps(node)
+    return dumps(node)
 
 
 class SkeletonText:
@@ -57,9 +57,9 @@ class SkeletonText:
         with self._lock:
             table, leaves = self._table, self._leaves
         if table is None or table[0] is not flat.table:
-            table = (flat.table, _dumps(flat.table))
+            table = (flat.table, dumps(flat.table))
         if leaves is None or leaves[0] is not flat.leaves or leaves[1] is not layout:
-            leaves = (flat.leaves, layout, _dumps(leaves_doc(flat, layout)))
+            leaves = (flat.leaves, layout, dumps(leaves_doc(flat, layout)))
         tree = tree_text(flat.tree)
         with self._lock:
             last = self._last
