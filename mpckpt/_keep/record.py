@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,11 +79,13 @@ class KeptRecord:
 
     def to_bytes(self) -> bytes:
         # The base64 of the skeleton and of the shards' headers is most of a record (MiBs for
-        # thousands of tensors) and the JSON encoder scans a long string slowly: both texts are
-        # dumped with a short stand-in for each, spliced in after in one pass (base64 needs no
-        # escaping: the same bytes as dumping it).
+        # thousands of tensors; tens of MiB for 100,000) and the JSON encoder scans a long string
+        # slowly: both texts are dumped with a short stand-in for each, and the record's bytes are
+        # joined from the JSON around the stand-ins and the base64 bytes (made once per bytes
+        # object: ``_base64``), never held as one long str. Base64 needs no escaping: the bytes are
+        # those of dumping it.
         token = secrets.token_hex(8)
-        texts: list[str] = []
+        texts: list[bytes] = []
 
         def stand_in(data: bytes) -> str:
             texts.append(_base64(data))
@@ -98,16 +99,21 @@ class KeptRecord:
                             "xxh3_64": s.checksum, "blocks": list(s.blocks)} for rel, s in sorted(self.spans.items())},
             "small": {rel: stand_in(data) for rel, data in sorted(self.small.items())},
         }
-        pattern = re.compile(f'"mpckpt-b64-{token}-(\\d+)"')
+        marker = f'"mpckpt-b64-{token}-'
 
-        def spliced(text: str) -> str:
-            out = pattern.sub(lambda m: f'"{texts[int(m.group(1))]}"', text)
-            assert len(pattern.findall(text)) == len(texts), "each stand-in appears once"
-            return out
+        def spliced(text: str) -> bytes:
+            pieces = text.split(marker)
+            assert len(pieces) == len(texts) + 1, "each stand-in appears once"
+            out = [pieces[0].encode()]
+            for piece in pieces[1:]:
+                index, quote, rest = piece.partition('"')
+                assert quote, "a stand-in is a whole JSON string"
+                out += [b'"', texts[int(index)], b'"', rest.encode()]
+            return b"".join(out)
 
-        canonical = spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False))
-        body["record_checksum"] = checksum(canonical.encode())
-        return spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)).encode()
+        body["record_checksum"] = checksum(spliced(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                                              allow_nan=False)))
+        return spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False))
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str) -> KeptRecord:
@@ -144,16 +150,16 @@ class KeptRecord:
                                          path=path) from e
 
 
-_base64_made: dict[int, tuple[bytes, str]] = {}  # id -> (bytes, their base64): the last record's
+_base64_made: dict[int, tuple[bytes, bytes]] = {}  # id -> (bytes, their base64): the last record's
 
 
-def _base64(data: bytes) -> str:
+def _base64(data: bytes) -> bytes:
     """``data`` in base64; made again only for other bytes objects than the last record's (a
     repeated save of an unchanged state shape hands out the very skeleton and headers it made)."""
     made = _base64_made.get(id(data))
     if made is not None and made[0] is data:
         return made[1]
-    text = base64.b64encode(data).decode()
+    text = base64.b64encode(data)
     if len(data) > 1024:
         if len(_base64_made) > 256:
             _base64_made.clear()
