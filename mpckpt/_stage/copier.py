@@ -115,7 +115,7 @@ def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
     if flat.on_cuda:
         return False
     plan = _fed_plan(layout, wave_index)
-    pieces = wave.__dict__.setdefault("_pieces", [p for s in wave.shards for p in s.pieces])
+    pieces = wave.pieces
     if any(not sources[pieces[i].leaf].is_contiguous() for steps in plan for i, end, _ in steps if end < 0):
         return False
     views = _views(slab, layout, wave_index, wave)

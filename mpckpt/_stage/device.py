@@ -97,7 +97,7 @@ class DeviceCopies:
         are copied before this returns. ``views``: the slab's views of the pieces, in wave order."""
         with self._lock:
             plan = self.plan(sources, key, wave, views)
-        pieces = wave.__dict__.setdefault("_pieces", [p for s in wave.shards for p in s.pieces])
+        pieces = wave.pieces
         host = [k for k in plan.host if only is None or only(pieces[k].leaf)]
         if host:
             torch._foreach_copy_([views[k] for k in host], [_source(sources, pieces[k]) for k in host])
@@ -146,7 +146,7 @@ class DeviceCopies:
         cached = wave.__dict__.get("_device_plan")
         if cached is not None and cached.key is key:
             return cached
-        pieces = [p for s in wave.shards for p in s.pieces]
+        pieces = wave.pieces
         host: list[int] = []
         small: dict[torch.device, list[int]] = {}
         devices: dict[torch.device, _OnDevice] = {}

@@ -61,6 +61,14 @@ class WavePlan:
     nbytes: int = 0          # slab bytes this wave needs
 
     @property
+    def pieces(self) -> list[Piece]:
+        """Every piece of the wave in shard order (the order of the slab views), listed once."""
+        pieces = self.__dict__.get("_pieces")
+        if pieces is None:
+            pieces = self.__dict__["_pieces"] = [p for s in self.shards for p in s.pieces]
+        return pieces
+
+    @property
     def copy_plan(self) -> list[tuple[int, tuple[int, int] | None]]:
         """(leaf, chunk) of every piece, in shard order (the order of the slab views)."""
         plan = self.__dict__.get("_copy_plan")
