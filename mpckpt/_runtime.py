@@ -389,16 +389,16 @@ class Runtime(ReadsCommitted):
         return future
 
     def prepare(self, state: Any, *, background: bool = False) -> int:
-        """Make and touch shared memory for the first save of ``state``: now, or (``background``, after
-        a restore) in a thread, which a save that comes first waits for; the bytes of one slab."""
+        """Make and touch shared memory for the first save of ``state`` (and plan it: ``Snapshotter.warm``)
+        now, or (``background``, after a restore) in a thread that a first save waits for; one slab's bytes."""
         need = self.saver.slab_bytes_for(state)  # here: in a job it may agree with the other ranks
-        # two slabs: the first save's, and the spare the next save uses while it uploads
-        assert self.arena is not None
+        assert self.arena is not None  # two slabs: the first save's, and the next one's while it uploads
         self.warmed = True
         if background:
             self.arena.ensure_spare(need, count=2)
             return need
         self.arena.reserve(need, count=2)
+        self.saver.warm(state)  # the first saves' layout, views and checks, made now
         self._uploaders_ready()
         return need
 

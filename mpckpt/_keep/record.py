@@ -22,6 +22,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum, format_version_for
 from mpckpt.format.names import check_relpath
@@ -78,10 +80,15 @@ class KeptRecord:
                               created_unix=self.created_unix, world_size=self.world_size)
 
     def to_bytes(self) -> bytes:
+        return b"".join(self.to_pieces())
+
+    def to_pieces(self) -> list[bytes]:
+        """The record's bytes in pieces, whose concatenation is ``to_bytes()`` (written as they are,
+        with one ``writev``: neither joined nor copied for the checksum)."""
         # The base64 of the skeleton and of the shards' headers is most of a record (MiBs for
         # thousands of tensors; tens of MiB for 100,000) and the JSON encoder scans a long string
         # slowly: both texts are dumped with a short stand-in for each, and the record's bytes are
-        # joined from the JSON around the stand-ins and the base64 bytes (made once per bytes
+        # taken from the JSON around the stand-ins and the base64 bytes (made once per bytes
         # object: ``_base64``), never held as one long str. Base64 needs no escaping: the bytes are
         # those of dumping it.
         token = secrets.token_hex(8)
@@ -101,7 +108,7 @@ class KeptRecord:
         }
         marker = f'"mpckpt-b64-{token}-'
 
-        def spliced(text: str) -> bytes:
+        def spliced(text: str) -> list[bytes]:
             pieces = text.split(marker)
             assert len(pieces) == len(texts) + 1, "each stand-in appears once"
             out = [pieces[0].encode()]
@@ -109,10 +116,12 @@ class KeptRecord:
                 index, quote, rest = piece.partition('"')
                 assert quote, "a stand-in is a whole JSON string"
                 out += [b'"', texts[int(index)], b'"', rest.encode()]
-            return b"".join(out)
+            return out
 
-        body["record_checksum"] = checksum(spliced(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                                              allow_nan=False)))
+        hasher = xxhash.xxh3_64()
+        for piece in spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)):
+            hasher.update(piece)
+        body["record_checksum"] = hasher.hexdigest()
         return spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False))
 
     @classmethod

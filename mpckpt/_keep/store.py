@@ -49,6 +49,7 @@ log = logging.getLogger("mpckpt")
 PREFIX = "mpckpt-kept-"
 PEER_PREFIX = "mpckpt-peer-"  # copies of another node's snapshots, held here (``_peer``)
 _BASE_RE = re.compile(r"mpckpt-(kept|peer)-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
+_IOV_MAX = 512  # pieces per writev (the system allows at least 1,024)
 _DATA_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
 
 
@@ -249,7 +250,7 @@ class KeptStore:
             tmp = f"{self.base}.record.tmp-{secrets.token_hex(8)}"
             fd = os.open(_path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, record.to_bytes())
+                _write_all(fd, record.to_pieces())
             finally:
                 os.close(fd)
             os.rename(_path(tmp), _path(self.base + ".record"))  # INVARIANT: after the last byte
@@ -285,6 +286,22 @@ class KeptStore:
         _held_locks.discard(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
+
+
+def _write_all(fd: int, pieces: list[bytes]) -> None:
+    """Write ``pieces`` one after the other, a bounded number per ``writev`` (whose short writes are
+    carried on from where they stopped)."""
+    at = 0
+    while at < len(pieces):
+        batch = pieces[at:at + _IOV_MAX]
+        done = os.writev(fd, batch)
+        for piece in batch:
+            if done < len(piece):
+                if done:
+                    pieces[at] = piece[done:]
+                break
+            done -= len(piece)
+            at += 1
 
 
 def _unlink(name: str) -> None:

@@ -261,6 +261,11 @@ class Arena:
                 slab.in_use = False
             return len(held)
 
+    def idle(self) -> list[Slab]:
+        """The slabs no save holds and no kept snapshot holds, as they are now."""
+        with self._cond:
+            return [s for s in self._slabs if not s.in_use and not s.kept]
+
     def try_acquire(self, nbytes: int) -> Slab | None:
         """A slab now, or None if the budget is full (a spare being made is waited for)."""
         with self._cond:

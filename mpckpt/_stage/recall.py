@@ -2,7 +2,7 @@
 whose shape did not change.
 
 ``FlattenMemo`` keeps what the last flatten concluded about its tensors (checks, storage groups,
-names, layout key) while every row keeps its ``Signatures``. A training loop hands ``save`` the same objects again and again. The flattener (``snapshot``)
+names, layout key) while every row keeps its ``Signatures`` (``signatures``). A training loop hands ``save`` the same objects again and again. The flattener (``snapshot``)
 asks a ``Recall`` at three kinds of node and uses its answer only when it is what a fresh walk
 would make:
 
@@ -33,55 +33,12 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
+from mpckpt._stage.signatures import PLAIN_TENSORS, Signatures
 
-PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _is_none = functools.partial(operator.is_, None)
 _SD, _SAVE = torch.nn.Module.state_dict, torch.nn.Module._save_to_state_dict
 _EXTRA = torch.nn.Module.get_extra_state
 _MAX_MODULES = 1 << 20  # a module tree that contains itself is no tree: the fresh walk says so
-
-
-class Signatures:
-    """What the tensor table of a walk's rows depends on: each row's address, dtype, shape, strides
-    and storage offset (and device), all plain tensors.
-
-    Storage groups, shared byte ranges, views and frozen leaves are functions of these figures
-    alone (a storage's base address is ``data_ptr - storage_offset * itemsize``), so equal
-    signatures give an equal table whichever storage objects the addresses belong to now. Kept
-    as one column per figure, each read over all rows in one ``map`` (a C loop): a tuple per row
-    costs several times more on a state of thousands of tensors.
-    """
-
-    __slots__ = ("columns",)
-
-    def __init__(self, columns: list[list[Any]]) -> None:
-        self.columns = columns
-
-    @staticmethod
-    def of(rows: list[Any]) -> Signatures | None:
-        """None if a row is no plain strided tensor (the full checks then say what is wrong with it)."""
-        if not set(map(type, rows)) <= PLAIN_TENSORS:
-            return None
-        try:
-            return Signatures([list(map(figure, rows)) for figure in _figures()])
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, ...: no strides
-            return None
-
-    def match(self, rows: list[Any]) -> bool:
-        if len(rows) != len(self.columns[0]) or not set(map(type, rows)) <= PLAIN_TENSORS:
-            return False
-        try:
-            return all(list(map(figure, rows)) == column for figure, column in zip(_figures(), self.columns, strict=True))
-        except (RuntimeError, NotImplementedError, TypeError):
-            return False
-
-
-_FIGURES = (torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride,
-            torch.Tensor.storage_offset)
-
-
-def _figures() -> tuple[Any, ...]:
-    return (*_FIGURES, operator.attrgetter("device")) if torch.cuda.is_available() else _FIGURES
 
 
 class FrozenNode(dict):  # type: ignore[type-arg]
@@ -162,9 +119,9 @@ class Recall:
         if register:  # a tensor object seen before in this walk is one row for both: the fresh walk's
             ids = list(map(id, tensors))
             seen = f.rows_by_object
-            if len(set(ids)) != len(ids) or any(map(seen.__contains__, ids)):
+            if len(set(ids)) != len(ids) or seen.any_of(ids):
                 return None
-            seen.update(zip(ids, range(e.row, e.row + e.count), strict=True))
+            seen.note(ids, e.row)
         # (a module's tensors are not noted: state_dict() gives fresh objects no other value can be)
         f.rows.extend(tensors)
         f.paths.extend(e.paths)
@@ -348,7 +305,7 @@ class FlattenMemo:
             return None
         rows = f.rows
         if last.direct_rows is not None:
-            sources = [rows[r] for r in last.direct_rows]
+            sources = list(rows) if last.direct_rows is _EVERY_ROW else [rows[r] for r in last.direct_rows]
         else:
             sources = [_rebind(rows[row], how, start, length) for row, how, start, length in last.recipes]
         return dataclasses.replace(last.flat, tree=tree, sources=sources)
@@ -362,7 +319,15 @@ class FlattenMemo:
         kept = dataclasses.replace(flat, tree=None, sources=[])
         self._last = _Remembered(signatures, f.paths, f.frozen_ptrs, set(f.local_rows), list(f.dmeta), kept,
                                  tab.recipes,
-                                 [row for row, _, _, _ in tab.recipes] if direct else None)
+                                 _direct_rows(tab.recipes) if direct else None)
+
+
+_EVERY_ROW: list[int] = []  # every row, in order, is a leaf as it is: the sources are the rows
+
+
+def _direct_rows(recipes: list[tuple[int, int, int, int]]) -> list[int]:
+    rows = [row for row, _, _, _ in recipes]
+    return _EVERY_ROW if rows == list(range(len(rows))) else rows
 
 
 def _rebind(t: torch.Tensor, how: int, start: int, length: int) -> torch.Tensor:

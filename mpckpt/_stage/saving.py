@@ -35,7 +35,7 @@ from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
-from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes
+from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes, views_of
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
@@ -224,6 +224,25 @@ class Snapshotter:
             future.on_wait = getattr(copies, "hurry", None)  # a loop that waits gets its copy at full speed
             copies.add_done_callback(copied)
         return future
+
+    def warm(self, state: Any) -> None:
+        """Do ahead what the first saves of ``state`` would (``prepare``): walk it twice (the second
+        walk is what every later save's is: modules read from their tree, its figures checked by
+        the memo's guard), plan its layout, make the slab views of every idle slab that could hold
+        it and, when snapshots are kept, its skeleton's bytes. A single process's only: a rank's
+        layout depends on a plan all ranks agree on at each save."""
+        if self.planner is not None:
+            return
+        for _ in range(2):
+            flat = flatten(state, allow_pickle=self.config.allow_pickle, memo=self.memo)
+        layout = self.layouts.layout_for(flat)
+        if not layout.waves:
+            return
+        for slab in self.budget.arena.idle():
+            if slab.capacity >= layout.waves[0].nbytes:
+                views_of(slab, layout, 0)
+        if self.keeper is not None and self.keeper.enabled and len(layout.waves) == 1:
+            self.skeleton(flat, layout)
 
     def slab_bytes_for(self, state: Any) -> int:
         """The shared memory the first save of ``state`` takes (in a job: this rank's part), with a

@@ -102,6 +102,40 @@ class FlatState:
         return tuple((self.sources[i].data_ptr(), self.sources[i]._version) for i in leaves)
 
 
+class RowsByObject:
+    """``id(tensor object) -> row`` for the tensors a walk has seen. What ``Recall`` takes over is
+    noted as blocks (their ids, the first row) and indexed only when something asks: a state whose
+    tensors all sit in one dict (taken whole by ``Recall.tensors``) never builds the index."""
+
+    __slots__ = ("_index", "_blocks")
+
+    def __init__(self) -> None:
+        self._index: dict[int, int] = {}
+        self._blocks: list[tuple[list[int], int]] = []
+
+    def _indexed(self) -> dict[int, int]:
+        for ids, first in self._blocks:
+            self._index.update(zip(ids, range(first, first + len(ids)), strict=True))
+        self._blocks.clear()
+        return self._index
+
+    def get(self, key: int) -> int | None:
+        return (self._indexed() if self._blocks else self._index).get(key)
+
+    def __setitem__(self, key: int, row: int) -> None:
+        (self._indexed() if self._blocks else self._index)[key] = row
+
+    def note(self, ids: list[int], first_row: int) -> None:
+        """Rows ``first_row`` on are the objects ``ids`` (distinct, none seen before: ``any_of``)."""
+        self._blocks.append((ids, first_row))
+
+    def any_of(self, ids: list[int]) -> bool:
+        """Whether any of ``ids`` was seen in this walk."""
+        if not self._index and not self._blocks:
+            return False
+        return any(map(self._indexed().__contains__, ids))
+
+
 class _Flattener:
     """The walk: the skeleton tree, and every distinct tensor object (a *row*) in visit order."""
 
@@ -118,7 +152,7 @@ class _Flattener:
         self.paths: list[str] = []  # key path of each row's first appearance
         self.active: set[int] = set()
         self.frozen_ptrs: set[int] = set()
-        self.rows_by_object: dict[int, int] = {}
+        self.rows_by_object = RowsByObject()
         self.made: dict[int, Any] = {}  # id(value) -> what values.encode made of it (held for the save)
         self.refused: dict[str, tuple[str, str]] = {}  # path -> (what it holds, how to convert it)
 

@@ -113,3 +113,27 @@ def test_prepare_makes_both_slabs_before_it_returns(tmp_path):
         need = ckpt.prepare(saved)
         slabs = _testing.slabs(ckpt)
         assert len(slabs) == 2 and all(slab.capacity >= need and not slab.in_use for slab in slabs)
+
+
+def test_prepare_plans_the_first_saves_and_they_use_what_it_made(tmp_path):
+    # the layout, both slabs' views of it and the memo's checks are made by prepare, not by saves 1 and 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(torch.bfloat16)
+    moments = {f"m{i}": torch.randn(i + 1, 3) for i in range(20)}
+    state = {"model": model, "moments": moments, "mask": torch.ones(5, dtype=torch.bool),
+             "z": torch.complex(torch.ones(2), torch.zeros(2)), "step": 1}
+    with mpckpt.Checkpointer(tmp_path, workers=1, memory_budget=BUDGET) as ckpt:
+        ckpt.prepare(state)
+        slabs = _testing.slabs(ckpt)
+        assert len(slabs) == 2 and all(len(slab.views) == 1 for slab in slabs)
+        made = {slab.name: next(iter(slab.views.values())) for slab in slabs}
+        for step in (1, 2, 3):
+            state["step"] = step
+            ckpt.save(step, state).result(BOUND_S)
+        for slab in slabs:  # the saves copied through the views prepare made: none made again
+            assert len(slab.views) == 1 and next(iter(slab.views.values())) is made[slab.name]
+    got = mpckpt.load(str(tmp_path), 3)
+    assert got["step"] == 3
+    assert_same(got["moments"], moments)
+    assert_same({k: got[k] for k in ("mask", "z")}, {k: state[k] for k in ("mask", "z")})
+    assert_same(dict(got["model"]), dict(model.state_dict()))

@@ -238,3 +238,15 @@ def test_dicts_of_tensors_keep_their_keys_rows_and_sharing() -> None:
     checked(memo, {"y": {"a": b}, "x": {"a": a, "b": b}})        # the same dicts at other rows
     checked(memo, {"x": {"a": a, "b": b}, "n": [1, 2, True, None, "s"]})
     checked(memo, {"x": {"a": a, "b": b}, "n": [1, 2, 3.5]})
+
+
+def test_a_tensor_of_a_dict_taken_over_seen_again_later_is_one_row() -> None:
+    # the dict's objects are noted as a block (indexed only when asked): a later value must find them
+    memo = FlattenMemo()
+    a, b, c = torch.ones(2), torch.zeros(3), torch.ones(4)
+    for _ in range(3):
+        flat = checked(memo, {"x": {"a": a, "b": b}, "later": [c, b], "y": {"a": a}})
+        assert len(flat.sources) == 3
+    for _ in range(3):
+        flat = checked(memo, {"x": {"a": a, "b": b}, "z": {"b": b, "c": c}})
+        assert len(flat.sources) == 3
