@@ -32,6 +32,8 @@ from mpckpt._stage import device
 from mpckpt._stage.snapshot import FlatState
 from mpckpt.errors import WaitTimeoutError
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
     """Leaves that only ``optimizer.step()`` modifies: module parameters and optimizer state."""
@@ -44,14 +46,14 @@ def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
             for per_param in value.state.values():
                 ptrs.update(_local(t).data_ptr() for t in per_param.values()
                             if isinstance(t, torch.Tensor) and t.numel())
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
+        elif isinstance(value, (dict, list, tuple)):
+            for v in value.values() if isinstance(value, dict) else value:
+                if type(v) not in _PLAIN_TENSORS:  # (a dict of 100,000 tensors holds no module)
+                    visit(v)
 
     visit(state)
+    if not ptrs:  # no module or optimizer in the state: every leaf is copied before the save returns
+        return set()
     return {i for i, (leaf, source) in enumerate(zip(flat.leaves, flat.sources, strict=True))
             if not leaf.raw and leaf.nbytes and source.data_ptr() in ptrs}
 

@@ -119,10 +119,11 @@ class Snapshotter:
                                       if s.filename not in reuse.files)
             kept = functools.partial(self._keep, step, record.seq, metrics, flat, layout, plan,
                                      stats=stats) if keeping else None
-            if overlap and len(layout.waves) == 1:
-                self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept)
+            guarded = step_guarded_leaves(state, flat) - reuse.leaves if overlap and len(layout.waves) == 1 else None
+            if guarded is not None and (guarded or flat.on_cuda):
+                self._snapshot_overlapped(record, flat, layout, first, reuse, kept, guarded=guarded)
             elif flat.on_cuda and kept is not None:  # copied now; hashed to keep off the training thread
-                self._snapshot_overlapped(record, state, flat, layout, first, reuse, kept, copied=True)
+                self._snapshot_overlapped(record, flat, layout, first, reuse, kept, copied=True)
             else:
                 self._snapshot_eager(record, flat, layout, first, reuse, kept)
         return record.future
@@ -280,11 +281,11 @@ class Snapshotter:
         self.ledger.all_submitted(record, snapshot_started=started)
         self.budget.spare_for(layout)
 
-    def _snapshot_overlapped(self, record: Pending, state: Any, flat: FlatState, layout: Layout,
+    def _snapshot_overlapped(self, record: Pending, flat: FlatState, layout: Layout,
                              slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None, *,
-                             copied: bool = False) -> None:
-        """The copy of what only an optimizer step changes runs in the background (``overlap``), and
-        so do keeping and submitting the wave. ``copied`` (a GPU state's eager save that keeps its
+                             copied: bool = False, guarded: set[int] | None = None) -> None:
+        """The copy of what only an optimizer step changes (``guarded``, not empty: a state without
+        any is saved eagerly) runs in the background (``overlap``), and so do keeping and submitting the wave. ``copied`` (a GPU state's eager save that keeps its
         snapshot): every copy is done before this returns; only the hash that keeping needs (a read
         of the whole slab, longer than the copy from the device) and the submission run after."""
         assert slab is not None
@@ -292,14 +293,15 @@ class Snapshotter:
         allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
         late: device.Events | None
         if copied:
-            guarded: set[int] = set()
+            guarded = set()
             late = copy_wave(flat, layout, 0, slab)  # every leaf (kept: frozen ones too), waited for: []
         else:
-            guarded = step_guarded_leaves(state, flat) - reuse.leaves
+            assert guarded is not None
             # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
             # on a GPU: enqueued, and training's stream waits for it there, the host does not
-            early = copy_wave(flat, layout, 0, slab, wait=False,
-                              only=lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
+            every = not guarded and (kept is not None or not reuse.leaves)  # (then the fast whole-wave copy)
+            early = copy_wave(flat, layout, 0, slab, wait=False, only=None if every else
+                              lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
             # on a GPU the rest is enqueued now too, behind it on mpckpt's stream: the next optimizer
             # step's kernels wait for it on the GPU (``BackgroundCopier``), this thread for nothing
             try:
@@ -313,7 +315,8 @@ class Snapshotter:
             submitted = False
             try:
                 if late is None:
-                    copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                    if guarded:
+                        copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
                 else:
                     device.wait(late)  # (``flat`` holds the sources until their copies are done)
                 if kept is not None:
