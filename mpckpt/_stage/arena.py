@@ -32,6 +32,7 @@ size of its segments in /dev/shm — never exceeds the budget.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -92,6 +93,9 @@ class Arena:
         # called (holding this arena's lock) when a save needs a kept slab's memory: the keeper
         # removes its record before the slab is written again
         self.reclaim: Callable[[Slab], None] | None = None
+        self._spares: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        self._spare_maker = threading.Thread(target=self._serve_spares, name="mpckpt-spare-slab", daemon=True)
+        self._spare_maker.start()
 
     @property
     def allocated_bytes(self) -> int:
@@ -186,8 +190,14 @@ class Arena:
                 return
             self._creating = size  # INVARIANT: counted in allocated_bytes until it exists or failed
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        threading.Thread(target=self._make_spares, args=(nbytes, size, count), name="mpckpt-spare-slab",
-                         daemon=True).start()
+        self._spares.put((nbytes, size, count))
+
+    def _serve_spares(self) -> None:
+        """The thread that makes spare slabs, started with the arena: asking it is a queue put, where
+        starting a thread inside a save waited for the new thread to be scheduled (over 200 ms with
+        the uploaders and the slab's page mapping on both cores, after a first save's copy)."""
+        while (job := self._spares.get()) is not None:
+            self._make_spares(*job)
 
     def _spare_size(self, nbytes: int, count: int) -> int | None:
         """The size of one more spare to make now (lock held); None when closed, when one is being
@@ -337,6 +347,9 @@ class Arena:
             for slab in list(self._slabs):
                 self._drop(slab)
             self._cond.notify_all()
+        self._spares.put(None)  # (a job queued before it finds the arena closed and makes nothing)
+        if self._spare_maker is not threading.current_thread():
+            self._spare_maker.join(timeout=30.0)
 
 
 def _pin(t: torch.Tensor) -> bool:
