@@ -206,6 +206,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--pythonpath", default=None, help="a checkout whose mpckpt the children import")
     p.add_argument("--label", default="this checkout")
+    p.add_argument("--sample-ms", type=float, default=1000.0,
+                   help="how often the child's memory is sampled (its smaps are read: every 20 ms that takes a "
+                        "share of a core and of the child's page tables, and the table reports no memory)")
     p.add_argument("--out", default=os.path.join(h.RESULTS_DIR, "save_overhead.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -221,7 +224,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             print(f"[save_overhead] {args.label}: {shape} ...", file=sys.stderr, flush=True)
             run = h.run_child([os.path.abspath(__file__), "--child", shape, "--saves", str(args.saves), "--modes",
-                               ",".join(modes), "--gib", str(args.gib)])
+                               ",".join(modes), "--gib", str(args.gib)], sample_ms=args.sample_ms)
             if run.get("status") == "error":
                 raise SystemExit(f"child for {shape} failed: {run['error']}")
             rows.append(run)
