@@ -5,9 +5,11 @@ tensors:
 
   floor    a bare ``copy_`` of every tensor into preallocated, pre-touched shared memory
   eager    ``Checkpointer(dir, workers=2)``, ``prepare(state)`` first, then ``--saves`` ASYNC
-           saves, each timed from the call to its return; the previous save's commit is waited
-           for *outside* the timing, so no upload runs while a save is timed and what is
-           measured is the save path itself (flatten, layout, ledger record, copy, keep, jobs)
+           saves, each timed from the call to its return; the previous save's commit, its
+           keeping in memory, retention's deletes and the kernel's writeback of its files
+           (``os.sync``) are waited for *outside* the timing, so nothing of it runs while a save
+           is timed and what is measured is the save path itself (flatten, layout, ledger
+           record, copy, jobs), in the conditions the floor is measured in
   overlap  the same with ``overlap=True`` (the copy of parameters and optimizer state runs in the
            background; what is timed is what the loop waits for in ``save``)
   cold     a fresh ``Checkpointer`` with neither ``prepare`` nor ``restore``: its first save makes
@@ -113,7 +115,9 @@ def _timed_saves(ckpt: Any, state: dict[str, Any], saves: int, first_step: int =
         started = time.perf_counter()
         future = ckpt.save(step, state)
         out.append((time.perf_counter() - started) * 1e3)
-        future.result(600)  # not timed: the next save starts with nothing uploading
+        future.result(600)  # not timed: the next save starts with nothing of this one in flight:
+        ckpt.wait(600)      # its upload, its keeping in memory, retention's deletes,
+        os.sync()           # and the kernel's writeback of the files it wrote
     return out
 
 
@@ -134,7 +138,8 @@ def _dcp(state_dicts: Any, root: str, saves: int) -> list[float]:
     try:
         for step in range(saves):
             if future is not None:
-                getattr(future, "upload_completion", future).result()  # not timed
+                getattr(future, "upload_completion", future).result()  # not timed (as mpckpt's saves)
+                os.sync()
             started = time.perf_counter()
             future = dcp.async_save(state_dicts(), checkpoint_id=os.path.join(root, f"dcp-{step}"), async_stager=stager)
             if hasattr(future, "staging_completion"):
