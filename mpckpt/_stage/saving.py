@@ -122,8 +122,7 @@ class Snapshotter:
             guarded = step_guarded_leaves(state, flat) - reuse.leaves if overlap and len(layout.waves) == 1 else None
             if guarded is not None and (guarded or flat.on_cuda):
                 self._snapshot_overlapped(record, flat, layout, first, reuse, kept, guarded=guarded)
-            elif kept is not None and (flat.on_cuda or (first is not None and not first.sparse)):
-                # copied now; hashed and kept (and the wave submitted) off the training thread
+            elif flat.on_cuda and kept is not None:  # copied now; hashed to keep off the training thread
                 self._snapshot_overlapped(record, flat, layout, first, reuse, kept, copied=True)
             else:
                 self._snapshot_eager(record, flat, layout, first, reuse, kept)
@@ -287,17 +286,17 @@ class Snapshotter:
                              copied: bool = False, guarded: set[int] | None = None) -> None:
         """The copy of what only an optimizer step changes (``guarded``; a CPU state with none is
         saved eagerly) runs in the background (``overlap``), and so do keeping and submitting the
-        wave. ``copied`` (an eager save that keeps its snapshot, into a slab that exists): every
-        copy is done before this returns; only the hash that keeping needs (a read of the whole
-        slab: about as long as the copy itself on a CPU, longer than the copy from a GPU) and the
-        submission run after."""
+        wave. ``copied`` (a GPU state's eager save that keeps its snapshot): every copy is done
+        before this returns; only the hash that keeping needs (a read of the whole slab, longer
+        than the copy from the device) and the submission run after. (A CPU state's eager save
+        hashes as it copies and keeps before it returns: an ASYNC save counts once it returns.)"""
         assert slab is not None
         started = time.perf_counter()
         allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
         late: device.Events | None
         if copied:
             guarded = set()
-            late = self._copy_whole(flat, layout, slab)  # every leaf (kept: frozen ones too), waited for: []
+            late = copy_wave(flat, layout, 0, slab)  # every leaf (kept: frozen ones too), waited for: []
         else:
             assert guarded is not None
             # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
@@ -339,13 +338,6 @@ class Snapshotter:
             self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
         self._copier.run(record.stats, rest, device_events=late, copied=copied)
 
-    def _copy_whole(self, flat: FlatState, layout: Layout, slab: Slab) -> device.Events:
-        """Copy every leaf of the one wave into ``slab`` now: a CPU state on the keeper's two threads
-        (``copy_wave_fed``, nothing fed), anything else with ``copy_wave``; waited for: ``[]``."""
-        if flat.on_cuda or not copy_wave_fed(flat, layout, 0, slab, _unfed, self.keeper.pool):
-            copy_wave(flat, layout, 0, slab)
-        return []
-
     def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
         shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]
         if not shards:
@@ -369,6 +361,3 @@ class Snapshotter:
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.prepare_staging(record.staging))
 
-
-def _unfed(index: int, view: memoryview) -> None:
-    """A copy that hashes nothing as it lands (the hash is taken after, off the training thread)."""
