@@ -10,6 +10,8 @@ tensors:
            (``os.sync``) are waited for *outside* the timing, so nothing of it runs while a save
            is timed and what is measured is the save path itself (flatten, layout, ledger
            record, copy, jobs), in the conditions the floor is measured in
+  unkept   eager with ``keep_in_memory=False``: no snapshot kept in memory for a restart, so
+           no hash of it as it is copied and no record (what the recovery tier costs a save)
   overlap  the same with ``overlap=True`` (the copy of parameters and optimizer state runs in the
            background; what is timed is what the loop waits for in ``save``)
   cold     a fresh ``Checkpointer`` with neither ``prepare`` nor ``restore``: its first save makes
@@ -42,7 +44,7 @@ from typing import Any
 import _harness as h
 
 SHAPES = ["16x64MiB", "model", "100000x1KiB", "mixed"]
-MODES = ["floor", "eager", "overlap", "cold", "dcp"]
+MODES = ["floor", "eager", "unkept", "overlap", "cold", "dcp"]
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20}
 
 
@@ -164,9 +166,9 @@ def child(shape: str, saves: int, modes: list[str], gib: float) -> dict[str, Any
                 floor = h.ShmFloor(tensors)
                 result["floor_ms"] = [floor.copy() for _ in range(saves)]
                 del floor
-            elif mode in ("eager", "overlap"):
+            elif mode in ("eager", "unkept", "overlap"):
                 with mpckpt.Checkpointer(os.path.join(root, mode), workers=2, keep_last=1,
-                                         overlap=mode == "overlap") as ckpt:
+                                         overlap=mode == "overlap", keep_in_memory=mode != "unkept") as ckpt:
                     ckpt.prepare(state)
                     result[f"{mode}_ms"] = _timed_saves(ckpt, state, saves)
             elif mode == "cold":
@@ -195,9 +197,9 @@ def _row(r: dict[str, Any], label: str) -> str:
     def x(v: float | None, base: float | None) -> str:
         return "-" if v is None or not base else f"{v / base:.2f}x"
 
-    eager, overlap = _p50(r.get("eager_ms")), _p50(r.get("overlap_ms"))
+    eager, overlap, unkept = _p50(r.get("eager_ms")), _p50(r.get("overlap_ms")), _p50(r.get("unkept_ms"))
     return (f"| {label} | {r['shape']} | {r['tensors']:,} | {r['bytes'] / h.MIB:,.0f} | {ms(floor)} | {ms(eager)} "
-            f"({x(eager, floor)}) | {ms(overlap)} ({x(overlap, floor)}) | {ms(cold[0] if cold else None)} | "
+            f"({x(eager, floor)}) | {ms(unkept)} ({x(unkept, floor)}) | {ms(overlap)} ({x(overlap, floor)}) | {ms(cold[0] if cold else None)} | "
             f"{ms(_p50(cold[1:]))} | {ms(dcp[0] if dcp else None)} | {ms(_p50(dcp[1:]))} | "
             f"{x(cold[0] if cold else None, dcp[0] if dcp else None)} | {r.get('foreign_cpu_pct', '-')} |")
 
@@ -234,9 +236,10 @@ def main() -> None:
                 raise SystemExit(f"child for {shape} failed: {run['error']}")
             rows.append(run)
     h.write_json(args.out, {"benchmark": "save_overhead", "args": vars(args), "machine": h.machine_info(), "rows": rows})
-    print("| checkout | shape | tensors | MiB | floor ms | eager ms (x floor) | overlapped ms (x floor) | cold first ms "
-          "| cold steady ms | DCP first ms | DCP steady ms | cold first / DCP first | other procs CPU % |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| checkout | shape | tensors | MiB | floor ms | eager ms (x floor) | unkept ms (x floor) | overlapped ms "
+          "(x floor) | cold first ms | cold steady ms | DCP first ms | DCP steady ms | cold first / DCP first "
+          "| other procs CPU % |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(_row(r, args.label))
 
