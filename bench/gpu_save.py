@@ -210,6 +210,8 @@ def mpckpt_saves(work: Work, saves: int, root: str, mode: str) -> dict[str, list
             return future.stats.barrier_ms  # the optimizer step pre-hook's wait for the copy
 
         subject = Subject(lambda step: ckpt.save(step, work.state), lambda _f: 0.0, settle)
+        if os.environ.get("GPU_SAVE_PROFILE") and mode != "first":
+            subject.save = _profiled(subject.save, os.environ["GPU_SAVE_PROFILE"], f"{len(work.tensors())} {mode}")
         if mode == "overlap":
             out = overlapped_saves(work, saves, subject)
         else:
@@ -218,6 +220,32 @@ def mpckpt_saves(work: Work, saves: int, root: str, mode: str) -> dict[str, list
         loaded = mpckpt.load(root)["model"]["0.weight"].cpu()
         assert torch.equal(loaded, work.model[0].weight.detach().cpu()), "mpckpt.load differs from the live state"
     return out
+
+
+def _profiled(save: Callable[[int], Any], path: str, title: str) -> Callable[[int], Any]:
+    """``save`` under cProfile from its second call on; the heaviest functions appended to
+    ``path`` after every call (``GPU_SAVE_PROFILE``: where a save's host time goes; the timed
+    figures of a profiled run are not comparable)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+
+    def wrapped(step: int) -> Any:
+        if not step:
+            return save(step)
+        profile.enable()
+        try:
+            return save(step)
+        finally:
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+            with open(path, "a") as f:
+                f.write(f"== {title}, saves 1..{step}\n" + text.getvalue()[-6000:])
+
+    return wrapped
 
 
 # -- DCP -------------------------------------------------------------------------------------
@@ -232,9 +260,20 @@ def dcp_saves(work: Work, saves: int, root: str, *, overlapped: bool) -> dict[st
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         dist.init_process_group("gloo", rank=0, world_size=1)
+    class CachedStager(DefaultStager):
+        """Closed once, at the end: torch 2.11's ``async_save`` closes a stager it is handed (2.13
+        closes only its own), which clears it while its staging thread runs (``KeyError: <class
+        'type'>``) and drops its cache of pinned memory: the cached use torchtitan makes of it."""
+
+        def close(self) -> None:
+            pass
+
+        def close_at_end(self) -> None:
+            super().close()
+
     # pinning needs CUDA and use_non_blocking_copy asserts an accelerator: both only on cuda
-    stager = DefaultStager(StagingOptions(use_pinned_memory=work.cuda, use_shared_memory=False,
-                                          use_async_staging=True, use_non_blocking_copy=work.cuda))
+    stager = CachedStager(StagingOptions(use_pinned_memory=work.cuda, use_shared_memory=False,
+                                         use_async_staging=True, use_non_blocking_copy=work.cuda))
 
     def save(step: int) -> Any:
         model_sd, optim_sd = get_state_dict(work.model, work.optimizer)
@@ -254,7 +293,7 @@ def dcp_saves(work: Work, saves: int, root: str, *, overlapped: bool) -> dict[st
     try:
         return (overlapped_saves if overlapped else eager_saves)(work, saves, Subject(save, staged, settle))
     finally:
-        stager.close()
+        stager.close_at_end()
 
 
 # -- one tensor count (the child) ------------------------------------------------------------
@@ -334,7 +373,8 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for count in [int(n) for n in args.tensors.split(",") if n]:
         run = h.run_child([os.path.abspath(__file__), "--child", str(count), "--gib", str(args.gib), "--saves",
-                           str(args.saves), "--device", args.device, "--modes", ",".join(modes)])
+                           str(args.saves), "--device", args.device, "--modes", ",".join(modes)],
+                          sample_ms=1000)  # reading the child's smaps often slows what it times
         if run.get("status") == "error":  # a crashed child: the other counts still run
             run = {"tensors": count, "bytes": 0, "modes": {"-": {"error": run["error"]}}}
         runs.append(run)

@@ -76,8 +76,9 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @torch.no_grad()  # sources may be parameters that require grad; the copy is not part of training
 def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
-              only: Callable[[int], bool] | None = None, wait: bool = True) -> device.Events:
-    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` accepts).
+              only: device.Selection = None, wait: bool = True) -> device.Events:
+    """Copy the pieces of wave ``wave_index`` of ``flat`` into ``slab`` (those ``only`` selects: a
+    set of leaves, whose GPU copy plan is kept, or a test of each).
 
     The copies of CUDA tensors are waited for, unless not ``wait``: then their events are
     returned, and the caller waits (``device.wait``) before anything reads the slab, keeping
@@ -95,7 +96,7 @@ def copy_wave(flat: FlatState, layout: Layout, wave_index: int, slab: Slab, *,
             device.wait(events)
             return []
         return events
-    _copy_pieces(wave.copy_plan, views, sources, only)
+    _copy_pieces(wave.copy_plan, views, sources, only.__contains__ if isinstance(only, frozenset) else only)
     return []
 
 

@@ -47,7 +47,11 @@ _SMALL_BYTES = 1 << 20   # pieces below this are gathered on the device first
 _BUCKET_BYTES = 64 << 20  # at most this much device memory per device for the gathers
 _ALIGN = 16              # the largest element size: a bucket place keeps its piece's slab alignment
 
+_SUBSETS_KEPT = 4         # restrictions of one plan to a set of leaves kept at a time
+
 Events = list[tuple[torch.device, Any]]  # (device, torch.cuda.Event) pairs
+# which leaves to copy: all (None), a set (its restricted plan is kept), or a test of each leaf
+Selection = frozenset[int] | Callable[[int], bool] | None
 
 
 @dataclass
@@ -81,6 +85,41 @@ class _Plan:
     key: Any                       # the ``FlatState.key`` it was made for (devices too: see ``plan``)
     host: list[int]                # piece numbers whose source is on the CPU
     devices: list[_OnDevice]
+    # restricted to a set of leaves (``restricted``): id of the set -> (the set, the plan)
+    subsets: dict[int, tuple[frozenset[int], _Plan]] = field(default_factory=dict)
+
+    def restricted(self, pieces: list[Any], only: Selection) -> _Plan:
+        """This plan for the leaves ``only`` accepts. A frozenset's restriction is made once and
+        kept (an overlapped save passes the same two sets each time: a few per plan); a callable's
+        each time."""
+        if only is None:
+            return self
+        if not isinstance(only, frozenset):
+            return self._restrict(pieces, only)
+        held = self.subsets.get(id(only))
+        if held is not None and held[0] is only:
+            return held[1]
+        if len(self.subsets) >= _SUBSETS_KEPT:
+            self.subsets.clear()
+        plan = self.subsets[id(only)] = (only, self._restrict(pieces, only.__contains__))
+        return plan[1]
+
+    def _restrict(self, pieces: list[Any], accepts: Callable[[int], bool]) -> _Plan:
+        devices = []
+        for on in self.devices:
+            chunks = []
+            for chunk in on.chunks:
+                groups = []
+                for group in chunk.groups:
+                    chosen = [i for i, leaf in enumerate(group.leaves) if accepts(leaf)]
+                    if chosen:
+                        groups.append(_Group([group.places[i] for i in chosen], [group.leaves[i] for i in chosen]))
+                items = [item for item in chunk.items if accepts(item[0])]
+                if items:
+                    chunks.append(_Chunk(groups, items, _spans(items)))
+            direct = [k for k in on.direct if accepts(pieces[k].leaf)]
+            devices.append(_OnDevice(on.device, on.stream, on.bucket, direct, chunks))
+        return _Plan(self.key, [k for k in self.host if accepts(pieces[k].leaf)], devices)
 
 
 class DeviceCopies:
@@ -92,15 +131,14 @@ class DeviceCopies:
         self._buckets: dict[torch.device, torch.Tensor] = {}
 
     def start(self, sources: list[torch.Tensor], key: Any, wave: WavePlan, views: list[torch.Tensor], slab: Slab,
-              only: Callable[[int], bool] | None) -> Events:
-        """Enqueue the copy of the wave's pieces (those ``only`` accepts) into ``slab``; CPU sources
+              only: Selection) -> Events:
+        """Enqueue the copy of the wave's pieces (those ``only`` selects) into ``slab``; CPU sources
         are copied before this returns. ``views``: the slab's views of the pieces, in wave order."""
-        with self._lock:
-            plan = self.plan(sources, key, wave, views)
         pieces = wave.pieces
-        host = [k for k in plan.host if only is None or only(pieces[k].leaf)]
-        if host:
-            torch._foreach_copy_([views[k] for k in host], [_source(sources, pieces[k]) for k in host])
+        with self._lock:
+            plan = self.plan(sources, key, wave, views).restricted(pieces, only)
+        if plan.host:
+            torch._foreach_copy_([views[k] for k in plan.host], [_source(sources, pieces[k]) for k in plan.host])
         if not plan.devices:
             return []
         if not slab.pinned:
@@ -109,30 +147,23 @@ class DeviceCopies:
         events: Events = []
         with self._lock:
             for on in plan.devices:
-                events.append((on.device, self._enqueue(on, sources, pieces, views, slab.tensor, only)))
+                events.append((on.device, self._enqueue(on, sources, pieces, views, slab.tensor)))
         return events
 
     def _enqueue(self, on: _OnDevice, sources: list[torch.Tensor], pieces: list[Any], views: list[torch.Tensor],
-                 base: torch.Tensor, only: Callable[[int], bool] | None) -> Any:
+                 base: torch.Tensor) -> Any:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(on.device))  # after everything training queued so far
         on.stream.wait_event(ready)
         with torch.cuda.stream(on.stream):
-            direct = [k for k in on.direct if only is None or only(pieces[k].leaf)]
-            if direct:
-                torch._foreach_copy_([views[k] for k in direct], [_source(sources, pieces[k]) for k in direct],
+            if on.direct:
+                torch._foreach_copy_([views[k] for k in on.direct], [_source(sources, pieces[k]) for k in on.direct],
                                      non_blocking=True)
             for chunk in on.chunks:
                 for group in chunk.groups:
-                    if only is None:
-                        places, leaves = group.places, group.leaves
-                    else:
-                        chosen = [i for i, leaf in enumerate(group.leaves) if only(leaf)]
-                        places, leaves = [group.places[i] for i in chosen], [group.leaves[i] for i in chosen]
-                    if leaves:
-                        torch._foreach_copy_(places, [sources[leaf] for leaf in leaves])
+                    torch._foreach_copy_(group.places, [sources[leaf] for leaf in group.leaves])
                 assert on.bucket is not None
-                for at, bucket_at, n in chunk.spans if only is None else _spans(chunk.items, only):
+                for at, bucket_at, n in chunk.spans:
                     base[at:at + n].copy_(on.bucket[bucket_at:bucket_at + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(on.stream)
@@ -222,15 +253,13 @@ def _chunk(items: list[tuple[int, int, int, int]], views: list[torch.Tensor], bu
         group = groups.setdefault(view.dtype, _Group([], []))
         group.places.append(place)
         group.leaves.append(leaf)
-    return _Chunk(list(groups.values()), items, _spans(items, None))
+    return _Chunk(list(groups.values()), items, _spans(items))
 
 
-def _spans(items: list[tuple[int, int, int, int]], only: Callable[[int], bool] | None) -> list[tuple[int, int, int]]:
-    """The (slab offset, bucket offset, bytes) runs covering the items ``only`` accepts."""
+def _spans(items: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int]]:
+    """The (slab offset, bucket offset, bytes) runs covering the items."""
     spans: list[list[int]] = []
-    for leaf, at, bucket_at, n in items:
-        if only is not None and not only(leaf):
-            continue
+    for _, at, bucket_at, n in items:
         if spans and spans[-1][0] + spans[-1][2] == at and spans[-1][1] + spans[-1][2] == bucket_at:
             spans[-1][2] += n
         else:

@@ -58,6 +58,24 @@ def step_guarded_leaves(state: Any, flat: FlatState) -> set[int]:
             if not leaf.raw and leaf.nbytes and source.data_ptr() in ptrs}
 
 
+class GuardedLeaves:
+    """``step_guarded_leaves`` of the last state, and the other leaves, as sets kept while its
+    tensors stay: a repeated save of them (the flatten memo's hit hands back the very same
+    ``FlatState.key`` object, made when they were first seen at these addresses) asks no module
+    or optimizer again, and the device copies keep their plans restricted to the same two sets."""
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._sets: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+
+    def of(self, state: Any, flat: FlatState) -> tuple[frozenset[int], frozenset[int]]:
+        """(the leaves only an optimizer step changes, every other leaf) of ``flat``."""
+        if self._key is not flat.key or not flat.key:
+            guarded = frozenset(step_guarded_leaves(state, flat))
+            self._key, self._sets = flat.key, (guarded, frozenset(range(len(flat.leaves))) - guarded)
+        return self._sets
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what a multi-rank save copies), or the tensor itself."""
     return getattr(t, "_local_tensor", t)

@@ -37,7 +37,7 @@ from mpckpt._stage.arena import Slab
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes, views_of
 from mpckpt._stage.layout import Layout, LayoutCache
-from mpckpt._stage.overlap import BackgroundCopier, step_guarded_leaves
+from mpckpt._stage.overlap import BackgroundCopier, GuardedLeaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
 from mpckpt._stage.skeleton_text import SkeletonText
 from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
@@ -67,6 +67,7 @@ class Snapshotter:
     planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
     keeper: Any = None   # keeps the newest complete snapshot in memory (``_keep.keeper.Keeper``)
     _copier: BackgroundCopier | None = field(default=None, init=False)
+    _guarded: GuardedLeaves = field(default_factory=GuardedLeaves, init=False)  # (``overlap``)
 
     def __post_init__(self) -> None:
         self.layouts = LayoutCache(budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
@@ -119,9 +120,15 @@ class Snapshotter:
                                       if s.filename not in reuse.files)
             kept = functools.partial(self._keep, step, record.seq, metrics, flat, layout, plan,
                                      stats=stats) if keeping else None
-            guarded = step_guarded_leaves(state, flat) - reuse.leaves if overlap and len(layout.waves) == 1 else None
+            guarded: frozenset[int] | None = None
+            others: frozenset[int] | None = None
+            if overlap and len(layout.waves) == 1:
+                guarded, others = self._guarded.of(state, flat)
+                if reuse.leaves:  # (frozen leaves whose shards are reused: new sets, not kept)
+                    guarded = guarded - reuse.leaves
+                    others = frozenset(range(len(flat.leaves))) - guarded
             if guarded is not None and (guarded or flat.on_cuda):
-                self._snapshot_overlapped(record, flat, layout, first, reuse, kept, guarded=guarded)
+                self._snapshot_overlapped(record, flat, layout, first, reuse, kept, guarded=guarded, others=others)
             elif flat.on_cuda and kept is not None:  # copied now; hashed to keep off the training thread
                 self._snapshot_overlapped(record, flat, layout, first, reuse, kept, copied=True)
             else:
@@ -283,31 +290,34 @@ class Snapshotter:
 
     def _snapshot_overlapped(self, record: Pending, flat: FlatState, layout: Layout,
                              slab: Slab | None, reuse: Reuse, kept: Callable[..., None] | None = None, *,
-                             copied: bool = False, guarded: set[int] | None = None) -> None:
+                             copied: bool = False, guarded: frozenset[int] | None = None,
+                             others: frozenset[int] | None = None) -> None:
         """The copy of what only an optimizer step changes (``guarded``; a CPU state with none is
         saved eagerly) runs in the background (``overlap``), and so do keeping and submitting the
         wave. ``copied`` (a GPU state's eager save that keeps its snapshot): every copy is done
         before this returns; only the hash that keeping needs (a read of the whole slab, longer
         than the copy from the device) and the submission run after. (A CPU state's eager save
-        hashes as it copies and keeps before it returns: an ASYNC save counts once it returns.)"""
+        hashes as it copies and keeps before it returns: an ASYNC save counts once it returns.)
+        ``others``: every leaf not in ``guarded`` (the sets stay the same objects between saves of
+        the same tensors, so the GPU copies' plans restricted to them are kept)."""
         assert slab is not None
         started = time.perf_counter()
         allocate(slab)  # (a slab made in this save: copied through its map, in two parts)
         late: device.Events | None
         if copied:
-            guarded = set()
+            guarded = frozenset()
             late = copy_wave(flat, layout, 0, slab)  # every leaf (kept: frozen ones too), waited for: []
         else:
-            assert guarded is not None
+            assert guarded is not None and others is not None
             # what the next forward may change in place (buffers) is copied now (kept: frozen ones too);
             # on a GPU: enqueued, and training's stream waits for it there, the host does not
-            every = not guarded and (kept is not None or not reuse.leaves)  # (then the fast whole-wave copy)
-            early = copy_wave(flat, layout, 0, slab, wait=False, only=None if every else
-                              lambda leaf: leaf not in guarded and (kept is not None or reuse.needs_copy(leaf)))
+            plain = kept is not None or not reuse.leaves  # (else the frozen leaves are not copied)
+            early = copy_wave(flat, layout, 0, slab, wait=False, only=(None if not guarded else others) if plain else
+                              lambda leaf: leaf not in guarded and reuse.needs_copy(leaf))
             # on a GPU the rest is enqueued now too, behind it on mpckpt's stream: the next optimizer
             # step's kernels wait for it on the GPU (``BackgroundCopier``), this thread for nothing
             try:
-                late = copy_wave(flat, layout, 0, slab, wait=False, only=guarded.__contains__) if flat.on_cuda else None
+                late = copy_wave(flat, layout, 0, slab, wait=False, only=guarded) if flat.on_cuda else None
             except BaseException:
                 device.wait(early)  # nothing may still be landing in a slab given back
                 raise
@@ -318,7 +328,7 @@ class Snapshotter:
             try:
                 if late is None:
                     if guarded:
-                        copy_wave(flat, layout, 0, slab, only=guarded.__contains__)
+                        copy_wave(flat, layout, 0, slab, only=guarded)
                 else:
                     device.wait(late)  # (``flat`` holds the sources until their copies are done)
                 if kept is not None:

@@ -28,39 +28,45 @@ def mixed_state(count: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def gathered(state: dict[str, torch.Tensor], *, workers: int, bucket_bytes: int,
-             only=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slab bytes as the plain copy leaves them, and as the gather plan does."""
+             only: device.Selection = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slab bytes as the plain copy leaves them, and as the gather plan does (restricted to
+    ``only`` by the plan's own ``restricted``, as ``DeviceCopies.start`` does)."""
     flat = flatten(state)
     layout = plan_layout(flat.leaves, budget_bytes=1 << 30, workers=workers)
     (wave,) = layout.waves
     plain = torch.zeros(wave.nbytes, dtype=torch.uint8)
     slab = torch.zeros(wave.nbytes, dtype=torch.uint8)
     pieces = [p for s in wave.shards for p in s.pieces]
+    accepts = (lambda leaf: True) if only is None else only.__contains__ if isinstance(only, frozenset) else only
 
     def views(base):
         return [base[p.offset:p.offset + p.nbytes].view(flat.sources[p.leaf].dtype).view(p.shape) for p in pieces]
 
-    plain_views = [v for v, p in zip(views(plain), pieces, strict=True) if only is None or only(p.leaf)]
-    torch._foreach_copy_(plain_views, [flat.sources[p.leaf] for p in pieces if only is None or only(p.leaf)])
+    plain_views = [v for v, p in zip(views(plain), pieces, strict=True) if accepts(p.leaf)]
+    torch._foreach_copy_(plain_views, [flat.sources[p.leaf] for p in pieces if accepts(p.leaf)])
     small = [p for p in pieces if 0 < p.nbytes]
     chunks = device._chunks(small) if bucket_bytes is None else _with_bucket(small, bucket_bytes)
     slab_views = views(slab)
     by_piece = {id(p): v for p, v in zip(pieces, slab_views, strict=True)}
-    at = 0
+    at, planned, buckets = 0, [], []
     for items, used in chunks:
         assert used <= max(bucket_bytes, max(n for *_, n in items) + device._ALIGN)
-        bucket = torch.full((used,), 0xAB, dtype=torch.uint8)  # stale bytes: never copied down
-        chunk = device._chunk(items, [by_piece[id(p)] for p in small[at:at + len(items)]], bucket)
+        buckets.append(torch.full((used,), 0xAB, dtype=torch.uint8))  # stale bytes: never copied down
+        planned.append(device._chunk(items, [by_piece[id(p)] for p in small[at:at + len(items)]], buckets[-1]))
         at += len(items)
-        for group in chunk.groups:
-            chosen = [i for i, leaf in enumerate(group.leaves) if only is None or only(leaf)]
-            for place in (group.places[i] for i in chosen):
-                assert place.data_ptr() % place.element_size() == 0  # every dtype keeps its alignment
-            if chosen:
-                torch._foreach_copy_([group.places[i] for i in chosen], [flat.sources[group.leaves[i]] for i in chosen])
-        for start, bucket_at, n in chunk.spans if only is None else device._spans(chunk.items, only):
-            slab[start:start + n].copy_(bucket[bucket_at:bucket_at + n])
     assert at == len(small)
+    on = device._OnDevice(torch.device("cpu"), None, None, [], planned)
+    plan = device._Plan(None, [], [on]).restricted(pieces, only)
+    (on,) = plan.devices
+    bucket_of = {id(item): bucket for chunk, bucket in zip(planned, buckets, strict=True) for item in chunk.items}
+    for chunk in on.chunks:
+        bucket = bucket_of[id(chunk.items[0])]
+        for group in chunk.groups:
+            for place in group.places:
+                assert place.data_ptr() % place.element_size() == 0  # every dtype keeps its alignment
+            torch._foreach_copy_(group.places, [flat.sources[leaf] for leaf in group.leaves])
+        for start, bucket_at, n in chunk.spans:
+            slab[start:start + n].copy_(bucket[bucket_at:bucket_at + n])
     return plain, slab
 
 
@@ -89,6 +95,28 @@ def test_a_partial_copy_writes_only_the_pieces_asked_for() -> None:
     plain, slab = gathered(state, workers=2, bucket_bytes=8192, only=odd)
     assert torch.equal(plain, slab)
     assert plain.any()
+    evens = frozenset(range(0, 300, 2))  # a set: its restricted plan is the one kept
+    plain, slab = gathered(state, workers=2, bucket_bytes=8192, only=evens)
+    assert torch.equal(plain, slab)
+    assert plain.any()
+
+
+def test_a_plan_keeps_its_restriction_to_a_set_and_not_to_an_equal_new_one() -> None:
+    state = mixed_state(50, seed=9)
+    flat = flatten(state)
+    (wave,) = plan_layout(flat.leaves, budget_bytes=1 << 30, workers=1).waves
+    pieces = [p for s in wave.shards for p in s.pieces]
+    plan = device._Plan(None, list(range(len(pieces))), [])
+    some = frozenset(range(0, 50, 3))
+    first = plan.restricted(pieces, some)
+    assert plan.restricted(pieces, some) is first
+    assert sorted(pieces[k].leaf for k in first.host) == sorted(some)
+    equal_but_new = frozenset(set(some))
+    assert plan.restricted(pieces, equal_but_new) is not first  # kept by identity: never a stale set's plan
+    assert plan.restricted(pieces, None) is plan
+    for n in range(device._SUBSETS_KEPT + 2):  # a bounded number kept
+        plan.restricted(pieces, frozenset({n}))
+    assert len(plan.subsets) <= device._SUBSETS_KEPT
 
 
 def test_a_run_of_contiguous_pieces_is_one_span() -> None:
@@ -97,5 +125,5 @@ def test_a_run_of_contiguous_pieces_is_one_span() -> None:
     layout = plan_layout(flat.leaves, budget_bytes=1 << 30, workers=1)
     pieces = [p for s in layout.waves[0].shards for p in s.pieces]
     ((items, used),) = device._chunks(pieces)
-    assert device._spans(items, None) == [(pieces[0].offset, 0, 100 * 256)]
+    assert device._spans(items) == [(pieces[0].offset, 0, 100 * 256)]
     assert used == 100 * 256
