@@ -152,7 +152,13 @@ def copy_wave_fed(flat: FlatState, layout: Layout, wave_index: int, slab: Slab,
         return False
     plan = _fed_plan(layout, wave_index)
     pieces = wave.pieces
-    if any(not sources[pieces[i].leaf].is_contiguous() for steps in plan for i, end, _ in steps if end < 0):
+    # asked once per state: a repeated save of the same tensors (the flatten memo's hit hands back the
+    # very same ``key`` object, their strides checked) has the same answer
+    known = wave.__dict__.get("_fed_contiguous")
+    if known is None or known[0] is not flat.key:
+        known = wave.__dict__["_fed_contiguous"] = (flat.key, all(
+            sources[pieces[i].leaf].is_contiguous() for steps in plan for i, end, _ in steps if end < 0))
+    if not known[1]:
         return False
     views = _views(slab, layout, wave_index, wave)
     base = slab.tensor.data_ptr()

@@ -134,3 +134,18 @@ def test_a_first_save_into_new_shared_memory_writes_it_whole_or_fails_clearly(tm
         want = _clone(_live(state))
     assert mpckpt.Checkpointer(tmp_path / "run", read_only=True).steps() == [1, 2]
     assert_same(mpckpt.load(tmp_path / "run", step=2), want)
+
+
+def test_a_large_tensor_that_turns_non_contiguous_is_stored_as_it_reads_now(tmp_path):
+    """The kept snapshot's hashing copy takes large tensors byte for byte only while they are
+    contiguous, an answer it keeps for repeated saves of the same tensors: a transposed view of the
+    same storage (same address, new shape and strides) must be asked again, never copied as the
+    bytes lie."""
+    base = torch.arange(512 * 1024, dtype=torch.float32).reshape(1024, 512)  # 2 MiB: copied by memmove
+    with mpckpt.Checkpointer(tmp_path, workers=2) as ckpt:
+        ckpt.save(0, {"w": base, "b": torch.ones(3)}, mode="sync")
+        ckpt.save(1, {"w": base.t(), "b": torch.ones(3)}, mode="sync")
+        ckpt.save(2, {"w": base, "b": torch.ones(3)}, mode="sync")
+    assert_same(mpckpt.load(tmp_path, step=0)["w"], base)
+    assert_same(mpckpt.load(tmp_path, step=1)["w"], base.t().contiguous())
+    assert_same(mpckpt.load(tmp_path, step=2)["w"], base)
