@@ -28,10 +28,15 @@ so earlier work is not billed to it. Modes (``--modes``), all on the same tensor
                use_non_blocking_copy=cuda))`` on a one-rank gloo group, saves as in ``eager``;
                blocked = from the call until ``staging_completion`` is done (the loop may not step
                the optimizer before), ``in call`` = until ``async_save`` returns. The upload is
-               waited for (``upload_completion``) outside the timing
+               waited for (``upload_completion``) outside the timing. Where that stager fails,
+               ``BlockingAsyncStager(cache_staged_state_dict=True)`` (pinned, cached, staging in
+               the call), the row named so and the failure kept in the JSON
   dcp_overlap  the same, placed as in ``overlap``: the step after the save waits for
                ``staging_completion`` only before ``optimizer.step()`` (DCP's overlapped use);
                blocked = the call + the step's extra time, ``wait`` = that staging wait
+  pin_parts    (only when named) what an unprepared first save pays for its memory, part by
+               part: a shared-memory slab made, registered with CUDA, copied into; against
+               ``pin_memory=True`` (cudaHostAlloc) and a copy into an unregistered slab
 
 In the overlapped modes the save's upload runs during the step it overlaps (as in training);
 its commit is waited for after that step. Adam's ``step`` counters stay on the host (torch's
@@ -64,7 +69,8 @@ import _harness as h
 import torch
 from torch import nn
 
-MODES = ["floor", "floor_one", "eager", "overlap", "first", "dcp", "dcp_overlap"]
+MODES = ["floor", "floor_one", "eager", "overlap", "first", "dcp", "dcp_overlap", "pin_parts"]
+DEFAULT_MODES = MODES[:-1]  # pin_parts: asked for by name
 TENSORS_PER_LAYER = 8  # weight, bias; Adam's exp_avg, exp_avg_sq and step of each
 
 
@@ -303,9 +309,56 @@ def _dcp_saves_with(work: Work, saves: int, root: str, *, overlapped: bool, bloc
         stager.close()
 
 
+# -- the parts of an unprepared first save --------------------------------------------------
+def pin_parts(work: Work) -> dict[str, float]:
+    """What a first save of a GPU state pays for its memory, part by part, for the state's bytes
+    (milliseconds, one try each): a shared-memory slab made (``Segment.create``: every page
+    allocated) and registered with CUDA (``Slab.pin``: ``cudaHostRegister``), one device-to-host
+    copy into it; against page-locked memory from CUDA's allocator (``pin_memory=True``:
+    ``cudaHostAlloc``) and one copy into it, and one copy into an unregistered slab (pageable)."""
+    from mpckpt._stage.arena import Slab, _unpin
+    from mpckpt._stage.shm import Segment
+
+    nbytes = h.state_bytes(work.tensors())
+    source = torch.ones(nbytes, dtype=torch.uint8, device=work.inputs.device)
+    out: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        work.sync()
+        started = time.perf_counter()
+        result = fn()
+        work.sync()
+        out[name] = _ms(started)
+        return result
+
+    slabs: list[Any] = []
+    try:
+        slabs.append(Slab(timed("shm_create_ms", lambda: Segment.create(nbytes))))
+        registered = slabs[0]
+        if work.cuda:
+            out["pinned"] = float(timed("register_ms", registered.pin))
+            timed("copy_into_registered_ms", lambda: registered.tensor.copy_(source, non_blocking=True))
+            host = timed("cuda_host_alloc_ms", lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            timed("copy_into_host_alloc_ms", lambda: host.copy_(source, non_blocking=True))
+            del host
+        slabs.append(Slab(Segment.create(nbytes)))
+        pageable = slabs[1]
+        timed("copy_into_pageable_slab_ms", lambda: pageable.tensor.copy_(source))
+    finally:
+        for slab in slabs:
+            if slab.pinned:
+                _unpin(slab.tensor)
+            del slab.tensor  # (the map goes with the last view of it)
+            slab.segment.close()
+            slab.segment.unlink()
+    return out
+
+
 # -- one tensor count (the child) ------------------------------------------------------------
 def run_mode(mode: str, work: Work, saves: int, root: str) -> dict[str, Any]:
     where = os.path.join(root, mode)
+    if mode == "pin_parts":
+        return {"parts_ms": pin_parts(work)}
     if mode in ("floor", "floor_one"):
         return floor(work, saves, one=mode == "floor_one")
     if mode in ("eager", "overlap", "first"):
@@ -367,7 +420,7 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0, help="params + Adam's two moments, GiB")
     p.add_argument("--saves", type=int, default=6)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run without a GPU")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--out", default=os.path.join(h.RESULTS_DIR, "gpu_save.json"))
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -391,6 +444,11 @@ def main() -> None:
         h.write_json(args.out, {"benchmark": "gpu_save", "args": vars(args), "machine": h.machine_info(), "rows": runs})
     print(f"device: {runs[0].get('device', '-')}; blocked time of one save, {args.saves} saves per mode")
     print(h.markdown_table([r for run in runs for r in table_rows(run)], COLUMNS))
+    for run in runs:  # (pin_parts: the memory of a first save, part by part)
+        if "parts_ms" in run["modes"].get("pin_parts", {}):
+            parts = run["modes"]["pin_parts"]["parts_ms"]
+            print(f"{run['tensors']:,} tensors, first-save memory parts: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     if any("error" in f for run in runs for f in run["modes"].values()):
         raise SystemExit("some modes failed: see the error column and " + args.out)
 
