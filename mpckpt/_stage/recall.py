@@ -14,6 +14,9 @@ would make:
 * a dict (or OrderedDict) whose values are all plain tensors (a state dict, a dict of tensors);
 * a dict whose values are all dicts of plain tensors under string keys (an optimizer's ``state``).
 
+An optimizer's state dict itself is made from the last save's numbering of its parameters
+(``optim_state``) rather than by ``state_dict()``, when that is torch's own.
+
 It gives the last walk's skeleton node (a ``FrozenNode``, whose JSON text is made once) and key
 paths, and the live tensors as this walk's rows. The structure alone is checked here: what the
 tensor table depends on (addresses, dtypes, shapes, strides) is checked by the flatten memo for
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
+from mpckpt._stage.optim_state import OptimizerStates
 from mpckpt._stage.signatures import PLAIN_TENSORS, Signatures
 
 _is_none = functools.partial(operator.is_, None)
@@ -73,6 +77,7 @@ class Recall:
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], _Entry] = {}
         self._next: dict[tuple[str, str], _Entry] = {}
+        self.optimizers = OptimizerStates()  # their state dicts, numbered as the last save numbered them
 
     def begin(self) -> None:
         self._next = {}

@@ -191,6 +191,8 @@ class _Flattener:
             return self.container(value, path, lambda v, p: {TAG: "tuple", "v": [self.visit(x, path_of(p, i)) for i, x in enumerate(v)]})
         if isinstance(value, torch.nn.Module):
             return self.module(value, path)
+        if isinstance(value, torch.optim.Optimizer) and self.recall is not None:
+            return self.container(value, path, lambda v, p: self.visit(self.recall.optimizers.state_dict(v), p))
         state_dict = getattr(value, "state_dict", None)
         if callable(state_dict) and not isinstance(value, type):
             return self.container(value, path, lambda v, p: self.visit(v.state_dict(), p))
