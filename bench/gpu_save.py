@@ -34,6 +34,13 @@ so earlier work is not billed to it. Modes (``--modes``), all on the same tensor
   dcp_overlap  the same, placed as in ``overlap``: the step after the save waits for
                ``staging_completion`` only before ``optimizer.step()`` (DCP's overlapped use);
                blocked = the call + the step's extra time, ``wait`` = that staging wait
+  restore      (only when named) ``restore`` into the live model and optimizer, each timed from the
+               call until the device is done, a fresh ``Checkpointer`` each time: from the snapshot
+               kept in shared memory (``close(leave_in_memory=True)`` before) and from storage
+               (``keep_in_memory=False``), every restore checked to give back a weight changed
+               before it; against the host-to-device floor (one ``copy_(non_blocking=True)`` per
+               tensor from page-locked tensors made beforehand, and the same bytes as one copy).
+               ``source``: where each restore said it read from
   pin_parts    (only when named) what an unprepared first save pays for its memory, part by
                part: a shared-memory slab made, registered with CUDA, copied into; against
                ``pin_memory=True`` (cudaHostAlloc) and a copy into an unregistered slab
@@ -69,8 +76,8 @@ import _harness as h
 import torch
 from torch import nn
 
-MODES = ["floor", "floor_one", "eager", "overlap", "first", "dcp", "dcp_overlap", "pin_parts"]
-DEFAULT_MODES = MODES[:-1]  # pin_parts: asked for by name
+MODES = ["floor", "floor_one", "eager", "overlap", "first", "dcp", "dcp_overlap", "pin_parts", "restore"]
+DEFAULT_MODES = MODES[:-2]  # pin_parts, restore: asked for by name
 TENSORS_PER_LAYER = 8  # weight, bias; Adam's exp_avg, exp_avg_sq and step of each
 
 
@@ -309,6 +316,53 @@ def _dcp_saves_with(work: Work, saves: int, root: str, *, overlapped: bool, bloc
         stager.close()
 
 
+# -- restores ---------------------------------------------------------------------------------
+def restores(work: Work, repeats: int, root: str) -> dict[str, Any]:
+    """``restore``: see the module's docstring."""
+    import mpckpt
+
+    roots = {"memory": os.path.join(root, "memory"), "storage": os.path.join(root, "storage")}
+    tensors = work.tensors()
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=work.cuda).copy_(t) for t in tensors]
+    one = torch.empty(h.state_bytes(tensors), dtype=torch.uint8, pin_memory=work.cuda)
+    one_dst = torch.empty_like(one, device=work.inputs.device)
+    out: dict[str, Any] = {f"{k}_ms": [] for k in ("memory", "storage", "floor", "floor_one")}
+    out["source"] = []
+    for repeat in range(repeats):
+        for source, where in roots.items():
+            # saved by a process that then leaves (its snapshot kept in memory for the memory root)
+            ckpt = mpckpt.Checkpointer(where, workers=2, keep_last=1, keep_in_memory=source == "memory")
+            ckpt.save(repeat, work.state, mode="sync")
+            ckpt.close(leave_in_memory=True)
+            expected = work.model[0].weight.detach().clone()
+            with torch.no_grad():
+                work.model[0].weight.add_(1.0)  # the restore must give the saved bytes back
+            ckpt = mpckpt.Checkpointer(where, workers=2, keep_last=1, keep_in_memory=source == "memory")
+            try:
+                work.sync()
+                started = time.perf_counter()
+                ckpt.restore(work.state)
+                work.sync()
+                out[f"{source}_ms"].append(_ms(started))
+                last = ckpt.last_restore
+                out["source"].append(f"{source}:{last.source if last else None}")
+                assert torch.equal(work.model[0].weight, expected), f"restore from {source} gave other bytes"
+            finally:
+                ckpt.close()
+        work.sync()
+        started = time.perf_counter()
+        for t, host in zip(tensors, pinned, strict=True):
+            t.copy_(host, non_blocking=work.cuda)
+        work.sync()
+        out["floor_ms"].append(_ms(started))
+        started = time.perf_counter()
+        one_dst.copy_(one, non_blocking=work.cuda)
+        work.sync()
+        out["floor_one_ms"].append(_ms(started))
+    h.remove_kept_in_memory([roots["memory"]])
+    return out
+
+
 # -- the parts of an unprepared first save --------------------------------------------------
 def pin_parts(work: Work) -> dict[str, float]:
     """What a first save of a GPU state pays for its memory, part by part, for the state's bytes
@@ -359,6 +413,8 @@ def run_mode(mode: str, work: Work, saves: int, root: str) -> dict[str, Any]:
     where = os.path.join(root, mode)
     if mode == "pin_parts":
         return {"parts_ms": pin_parts(work)}
+    if mode == "restore":
+        return restores(work, saves, where)
     if mode in ("floor", "floor_one"):
         return floor(work, saves, one=mode == "floor_one")
     if mode in ("eager", "overlap", "first"):
@@ -444,6 +500,12 @@ def main() -> None:
         h.write_json(args.out, {"benchmark": "gpu_save", "args": vars(args), "machine": h.machine_info(), "rows": runs})
     print(f"device: {runs[0].get('device', '-')}; blocked time of one save, {args.saves} saves per mode")
     print(h.markdown_table([r for run in runs for r in table_rows(run)], COLUMNS))
+    for run in runs:  # (restore: from memory and storage against the host-to-device floors)
+        figures = run["modes"].get("restore", {})
+        if "memory_ms" in figures:
+            print(f"{run['tensors']:,} tensors, restore p50 ms: " + ", ".join(
+                f"{k[:-3]} {h.median(figures[k]):.1f}" for k in ("memory_ms", "storage_ms", "floor_ms", "floor_one_ms"))
+                + f"; sources {sorted(set(figures['source']))}")
     for run in runs:  # (pin_parts: the memory of a first save, part by part)
         if "parts_ms" in run["modes"].get("pin_parts", {}):
             parts = run["modes"]["pin_parts"]["parts_ms"]
