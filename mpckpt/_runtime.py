@@ -2,12 +2,11 @@
 
 An open Checkpointer holds the writer lock of its root, uploader processes, shared memory,
 a committer, a deleter and a dispatcher thread (and, with ``validate=``, a validator thread
-and process). ``Runtime`` owns all of them and never refers back to
-the ``Checkpointer`` (its background threads reach only the runtime), so a Checkpointer that
-becomes unreachable without ``close()`` (a notebook variable bound again, a script without
-``with``) can still be finalized. Its finalizer, and an atexit hook for the end of the
-program, wait for the checkpoints already saved (bounded by ``timeout_s``), log every failure
-nobody has seen (never swallowed), and free everything.
+and process). ``Runtime`` owns all of them and never refers back to the ``Checkpointer`` (its
+background threads reach only the runtime), so a Checkpointer that becomes unreachable without
+``close()`` (a notebook variable bound again, a script without ``with``) can still be finalized.
+Its finalizer, and an atexit hook for the end of the program, wait for the checkpoints saved
+(bounded by ``timeout_s``), log every failure nobody has seen (never swallowed), free everything.
 
 It handles a save once the Checkpointer has checked its arguments: whether it is due (the
 trigger; after a preemption signal every save is, and synchronous; in a job one all_gather
@@ -429,8 +428,9 @@ class Runtime(ReadsCommitted):
             self.validator.wait(timeout_s=max(0.0, deadline - time.monotonic()))
         if self.deleter is not None:
             self.deleter.drain(timeout_s=max(0.0, deadline - time.monotonic()))
-        if self.tier is not None:  # the copies on other nodes
-            self.tier.wait(max(0.0, deadline - time.monotonic()))
+        for memory in (self.keeper, self.tier):  # the newest kept record's checksums; the copies on other nodes
+            if memory is not None:
+                memory.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Wait for every pending checkpoint and free everything; raise failures nobody saw."""

@@ -1,13 +1,20 @@
 """What one writer keeps in this node's memory: the newest complete snapshot, and the one it found.
 
 ``keep`` runs once a snapshot's copy into its slab is complete (an eager save before it
-returns, an overlapped one in its background copy): it hashes every shard file in the slab
-(the xxh3-64 storage will also get, and a multi-rank save's block checksums) on a few threads
-(xxh3 releases the GIL), publishes the record (``store``), and marks the slab kept in the
-arena: no save copies into it until a newer snapshot is complete. Then the previous kept slab
-goes back to the pool (once its own uploads are done). An ASYNC save is thus recoverable on
-this node as soon as ``save()`` returns, before its upload, and a ``mode="memory"`` save is
-never uploaded at all.
+returns, an overlapped one in its background copy): it publishes the record (``store``) and
+marks the slab kept in the arena: no save copies into it until a newer snapshot is complete.
+Then the previous kept slab goes back to the pool (once its own uploads are done). An ASYNC
+save is thus recoverable on this node as soon as ``save()`` returns, before its upload, and a
+``mode="memory"`` save is never uploaded at all.
+
+The record lists every shard file's xxh3-64 (the checksum storage will also get, and in a
+multi-rank save its block checksums: ``digest``). A rank's copy hashes each piece as it lands
+and its record is published with them. A single process's eager save does not wait for them:
+its record is published ``pending`` and the checksums are computed on two threads after
+``save()`` returns (xxh3 releases the GIL; ~20 ms of a core per GiB that the training thread
+no longer waits for), then the record is published again with them (``_complete``;
+``wait`` waits for it). A process killed in between leaves the pending record, completed from
+the slab when it is found.
 
 At open, the snapshot a previous process of this root and rank kept is found (``found``) and
 offered to the restore as a ``memory`` source (``source_for``; in a job, ``_peer.inventory``
@@ -31,8 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import xxhash
-
+from mpckpt._keep.digest import SpanHasher, complete, hash_span
 from mpckpt._keep.record import KeptRecord, Span
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
@@ -41,46 +47,6 @@ from mpckpt._stage.shm import Segment
 from mpckpt.format.manifest import Manifest, _json_safe_metrics
 
 log = logging.getLogger("mpckpt")
-_HASH_CHUNK = 16 << 20
-
-
-class SpanHasher:
-    """The xxh3-64 of one shard file (header, then its data fed in order), and of every
-    ``block_size`` bytes of it when ``block_size`` (a multi-rank save's block checksums)."""
-
-    def __init__(self, header: bytes, block_size: int) -> None:
-        self.whole = xxhash.xxh3_64()
-        self.block_size = block_size
-        self.blocks: list[str] = []
-        self.block, self.filled = xxhash.xxh3_64(), 0
-        self.update(memoryview(header))
-
-    def update(self, data: memoryview) -> None:
-        if not self.block_size:
-            for pos in range(0, len(data), _HASH_CHUNK):
-                self.whole.update(data[pos:pos + _HASH_CHUNK])
-            return
-        pos = 0
-        while pos < len(data):
-            take = min(self.block_size - self.filled, len(data) - pos)
-            piece = data[pos:pos + take]
-            self.whole.update(piece)
-            self.block.update(piece)
-            self.filled, pos = self.filled + take, pos + take
-            if self.filled == self.block_size:
-                self.blocks.append(self.block.hexdigest())
-                self.block, self.filled = xxhash.xxh3_64(), 0
-
-    def result(self) -> tuple[str, tuple[str, ...]]:
-        blocks = [*self.blocks, self.block.hexdigest()] if self.filled else self.blocks
-        return self.whole.hexdigest(), tuple(blocks)
-
-
-def hash_span(header: bytes, data: memoryview, block_size: int) -> tuple[str, tuple[str, ...]]:
-    """xxh3-64 of ``header + data``, and of every ``block_size`` bytes of it when ``block_size``."""
-    hasher = SpanHasher(header, block_size)
-    hasher.update(data)
-    return hasher.result()
 
 
 class Keeper:
@@ -96,6 +62,8 @@ class Keeper:
         self.kept: tuple[Slab, KeptRecord] | None = None
         self._lock = threading.Lock()
         self._hashers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._completer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._completion: concurrent.futures.Future[None] | None = None
         self._warned: set[str] = set()
         if self.store.hold():
             self.found = read_kept(url, rank, world_size)
@@ -164,14 +132,18 @@ class Keeper:
 
     def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
              small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
-             hashed: list[SpanHasher] | None = None) -> concurrent.futures.Future[int] | None:
+             hashed: list[SpanHasher] | None = None, pending: bool = False) -> concurrent.futures.Future[int] | None:
         """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s;
-        ``hashed``: their hashers, fed as the copy went, else they are hashed here): publish its
-        record, keep it; the previously kept slab goes back to the pool. Returned: the future of
-        its copies on other nodes (their number) when the job makes them."""
+        ``hashed``: their hashers, fed as the copy went; ``pending``: a single process's, hashed
+        after this returns; else they are hashed here): publish its record, keep it; the
+        previously kept slab goes back to the pool. Returned: the future of its copies on other
+        nodes (their number) when the job makes them."""
         if not self.store.held:
             return None
-        if hashed is not None:
+        assert not (pending and block_size), "a rank's record is published with its block checksums"
+        if pending:
+            digests: list[tuple[str | None, tuple[str, ...]]] = [(None, ())] * len(shards)
+        elif hashed is not None:
             digests = [h.result() for h in hashed]
         else:
             view = memoryview(slab.segment.mmap)
@@ -200,7 +172,52 @@ class Keeper:
             return None
         if old is not None and old[0] is not slab:
             self.arena.unkeep(old[0])
+        if pending:
+            done = self.completer.submit(self._complete, slab, record)
+            done.add_done_callback(self._completed)
+            self._completion = done
+            return None
         return self.replicate(record, slab) if self.replicate is not None else None
+
+    @property
+    def completer(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that completes pending records (hashing on ``pool``'s two)."""
+        if self._completer is None:
+            self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpckpt-keep-complete")
+        return self._completer
+
+    def _still_kept(self, record: KeptRecord) -> bool:
+        kept = self.kept
+        return kept is not None and kept[1] is record
+
+    def _complete(self, slab: Slab, record: KeptRecord) -> None:
+        """Hash the shard files of ``record`` (published pending) in ``slab`` and publish it again
+        with their checksums, unless a newer snapshot or a save's need of the memory came first
+        (the slab may then be written meanwhile: what was hashed is dropped)."""
+        view = memoryview(slab.segment.mmap)
+        try:
+            done = complete(record, view, run=self.pool.map, stop=lambda: not self._still_kept(record))
+        finally:
+            view.release()
+        if done is None:
+            return
+        with self._lock:
+            if not self._still_kept(record):
+                return
+            self.store.publish_record(done)
+            self.kept = (slab, done)
+
+    def _completed(self, future: concurrent.futures.Future[None]) -> None:
+        error = future.exception()
+        if error is not None:  # the pending record stays: a restart completes it from the slab
+            self.warn_once("complete", f"could not add the checksums to the record of the snapshot kept in memory "
+                           f"({error!r}); a restart computes them from the snapshot")
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the newest record's checksums are in it (``pending``), at most ``timeout_s``."""
+        done = self._completion
+        if done is not None:
+            concurrent.futures.wait([done], timeout=timeout_s)
 
     def _reclaim(self, slab: Slab) -> None:
         """The arena needs the kept slab's memory for a save: the record goes first."""
@@ -221,7 +238,13 @@ class Keeper:
             log.warning("mpckpt: %s", text)
 
     def close(self, *, leave: bool) -> None:
-        """Let go (before the arena closes); ``leave``: the kept snapshot stays for the next process."""
+        """Let go (before the arena closes); ``leave``: the kept snapshot stays for the next process
+        (with its checksums: a pending record is completed first)."""
+        if not leave:
+            with self._lock:
+                self.kept = None  # (a pending record being completed: its completion stops)
+        if self._completer is not None:
+            self._completer.shutdown(wait=True)
         with self._lock:
             if self.found is not None:
                 self.found.close()

@@ -1,8 +1,8 @@
-"""What a snapshot kept in shared memory holds: the record beside its bytes (``mpckpt-kept`` v1).
+"""What a snapshot kept in shared memory holds: the record beside its bytes (``mpckpt-kept`` v2).
 
 A kept snapshot is two files in /dev/shm (``store``): its data (a slab: each shard file's
 data at an offset) and this record, JSON, written after the last byte of the data was copied
-and hashed and put in place with one rename: a record exists only for a complete snapshot.
+and put in place with one rename: a record exists only for a complete snapshot.
 It says whose it is (user, root URL, rank of a world size), which step and save sequence it
 holds, and every file the checkpoint would have on storage: the skeleton's bytes themselves,
 and for each shard its safetensors header, where its data sits in the slab, its size and
@@ -10,10 +10,17 @@ xxh3-64 (the manifest's checksum of that file, the very value storage gets), and
 multi-rank save its block checksums. A canonical-text checksum covers the record, as the
 manifest's does, so a torn or edited record is refused, never trusted.
 
+A single process's record may be published before its shard files' checksums (``null``): an
+eager save puts it in place as soon as the copy is complete, so a kill right after ``save()``
+returns loses nothing, and the checksums are computed in the background and the record
+published again with them (``_keep.keeper``). A record still pending when its process died is
+completed from the data when found (``_keep.digest.complete``): nothing writes a kept slab
+while its record exists, so those are the bytes the save copied. A rank's record (its skeleton
+lists its block checksums) is never pending.
+
 ``manifest()`` is the checkpoint's manifest as a memory source presents it: a restore checks
 every byte read from memory against it (``_read.verified``), as it checks storage.
 """
-
 from __future__ import annotations
 
 import base64
@@ -29,7 +36,7 @@ from mpckpt.format.manifest import FileEntry, Manifest, checksum, format_version
 from mpckpt.format.names import check_relpath
 
 FORMAT = "mpckpt-kept"
-VERSION = 1
+VERSION = 2  # 2: a single process's shard checksums may be pending (null)
 MAX_RECORD_BYTES = 256 << 20  # a skeleton is at most 64 MiB (format.skeleton), base64 and a few entries on top
 
 
@@ -40,7 +47,7 @@ class Span:
     header: bytes
     offset: int   # of its data in the slab
     nbytes: int   # of its data
-    checksum: str  # xxh3-64 of header + data: the manifest's checksum of the file
+    checksum: str | None  # xxh3-64 of header + data: the manifest's checksum of the file (None: pending)
     blocks: tuple[str, ...] = ()  # xxh3-64 of every block of the file (a multi-rank save's)
 
     @property
@@ -69,8 +76,16 @@ class KeptRecord:
     def ranked(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def pending(self) -> bool:
+        """Some shard file's checksum is still being computed (see the module docstring)."""
+        return any(span.checksum is None for span in self.spans.values())
+
     def file_entries(self) -> dict[str, FileEntry]:
-        files = {rel: FileEntry(span.size, span.checksum) for rel, span in self.spans.items()}
+        files = {}
+        for rel, span in self.spans.items():
+            assert span.checksum is not None, "a pending record is completed before its files are listed"
+            files[rel] = FileEntry(span.size, span.checksum)
         files.update({rel: FileEntry(len(data), checksum(data)) for rel, data in self.small.items()})
         return files
 
@@ -137,8 +152,11 @@ class KeptRecord:
             spans = {}
             for rel, s in body["spans"].items():
                 check_relpath(rel)
+                digest = s["xxh3_64"]
+                if not (digest is None or isinstance(digest, str)):
+                    raise ValueError(f"file {rel!r} has checksum {str(digest)[:40]!r}")
                 spans[rel] = Span(base64.b64decode(s["header"], validate=True), _count(s["offset"]),
-                                  _count(s["nbytes"]), str(s["xxh3_64"]), tuple(str(b) for b in s["blocks"]))
+                                  _count(s["nbytes"]), digest, tuple(str(b) for b in s["blocks"]))
             small = {}
             for rel, text in body["small"].items():
                 check_relpath(rel)
@@ -153,6 +171,8 @@ class KeptRecord:
                     raise ValueError(f"file {rel!r} lies past the end of its data ({record.data_size} bytes)")
             if record.world_size < 1 or record.rank >= record.world_size:
                 raise ValueError(f"rank {record.rank} of a world of {record.world_size}")
+            if record.ranked and record.pending:
+                raise ValueError("a rank's record without its checksums (only a single process's may be pending)")
             return record
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
             raise CorruptCheckpointError(f"{path}: not a usable record of a kept snapshot ({str(e)[:200]})",

@@ -39,6 +39,7 @@ import stat
 import threading
 from dataclasses import dataclass
 
+from mpckpt._keep.digest import complete
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
 from mpckpt._stage.shm import SHM_DIR
 from mpckpt.errors import CorruptCheckpointError
@@ -159,7 +160,18 @@ def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Fou
             os.close(data_fd)
             raise CorruptCheckpointError(f"{_path(record.data)} is {data_st.st_size} bytes, the record says "
                                          f"{record.data_size} (truncated)")
-        return Found(record, data_fd, _path(name))
+        found = Found(record, data_fd, _path(name))
+        if record.pending:  # its process died before the checksums were in it: they are the data's
+            view = memoryview(found.data)
+            try:
+                completed = complete(record, view)
+            finally:
+                view.release()
+            assert completed is not None
+            found.record = completed
+            log.info("mpckpt: the snapshot of step %d kept in memory for %s had no checksums yet; computed "
+                     "from its data", record.step, url)
+        return found
     except (OSError, CorruptCheckpointError) as e:
         text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored, storage is used: %s", url,

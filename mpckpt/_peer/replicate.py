@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from mpckpt._keep.keeper import hash_span
+from mpckpt._keep.digest import hash_span
 from mpckpt._keep.record import KeptRecord
 from mpckpt._keep.store import PEER_PREFIX, KeptStore, data_path
 from mpckpt._peer.link import CHUNK_BYTES, PROGRESS_S, Link, as_bytes, ints

@@ -129,7 +129,8 @@ class Snapshotter:
                     others = frozenset(range(len(flat.leaves))) - guarded
             if guarded is not None and (guarded or flat.on_cuda):
                 self._snapshot_overlapped(record, flat, layout, first, reuse, kept, guarded=guarded, others=others)
-            elif flat.on_cuda and kept is not None:  # copied now; hashed to keep off the training thread
+            elif flat.on_cuda and kept is not None and self.planner is not None:
+                # copied now; a rank's record waits for its block checksums: hashed off the training thread
                 self._snapshot_overlapped(record, flat, layout, first, reuse, kept, copied=True)
             else:
                 self._snapshot_eager(record, flat, layout, first, reuse, kept)
@@ -152,6 +153,16 @@ class Snapshotter:
         self.keeper.warn_once("waves", text)
         return False
 
+    def _copy_kept(self, kept: Callable[..., Any], flat: FlatState, layout: Layout, slab: Slab) -> Any:
+        """Copy the one wave of a snapshot to keep and keep it (``kept``: ``_keep`` bound to the
+        save). A single process's record is published before its checksums, computed after
+        ``save()`` returns (``Keeper.keep``, ``pending``); a rank's copy hashes each piece as it
+        lands, since its record (its skeleton) lists its block checksums."""
+        if self.planner is None:
+            self._copy(flat, layout, 0, slab, None)
+            return kept(slab, pending=True)
+        return kept(slab, self._copy_hashed(flat, layout, slab))
+
     def _copy_hashed(self, flat: FlatState, layout: Layout, slab: Slab) -> list[Any] | None:
         """Copy the one wave of a snapshot to keep, its shard files hashed as they land (a little more
         than the copy): their hashers; None when the state cannot be copied so (copied, unhashed)."""
@@ -171,8 +182,9 @@ class Snapshotter:
         copy_wave(flat, layout, 0, slab)
         return None
 
-    def _copy(self, flat: FlatState, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
-        only = reuse.needs_copy if reuse.leaves else None
+    def _copy(self, flat: FlatState, layout: Layout, index: int, slab: Slab, reuse: Reuse | None) -> None:
+        """Copy wave ``index`` into ``slab``: every leaf, or (``reuse``) those not reused as frozen."""
+        only = reuse.needs_copy if reuse is not None and reuse.leaves else None
         if slab.sparse:  # made in this save: written through its file (``written``)
             if only is None and write_wave(flat, layout, index, slab):
                 populate(slab)
@@ -181,9 +193,10 @@ class Snapshotter:
         copy_wave(flat, layout, index, slab, only=only)
 
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
-              slab: Slab, hashed: list[Any] | None = None, stats: SaveStats | None = None) -> Any:
-        """``slab`` holds the complete snapshot: hash it (unless ``hashed``) and keep it (``Keeper.keep``);
-        the future of its copies on other nodes, if the job makes them."""
+              slab: Slab, hashed: list[Any] | None = None, stats: SaveStats | None = None,
+              pending: bool = False) -> Any:
+        """``slab`` holds the complete snapshot: keep it (``Keeper.keep``; hashed there unless
+        ``hashed`` or ``pending``); the future of its copies on other nodes, if the job makes them."""
         if self.planner is not None:
             group = self.planner.group
             small_name = rank_skeleton_name(group.rank)
@@ -197,7 +210,8 @@ class Snapshotter:
                 return self.skeleton(flat, layout)
         copies = self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
                                   small_name=small_name, small=small,
-                                  block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed)
+                                  block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed,
+                                  pending=pending)
         if copies is not None and stats is not None:
             copies.add_done_callback(lambda done: setattr(stats, "peer_copies", done.result()))
         return copies
@@ -216,7 +230,8 @@ class Snapshotter:
             stats.status = "skipped"
         else:
             try:
-                copies = self._keep(step, -1, metrics, flat, layout, plan, slab, self._copy_hashed(flat, layout, slab))
+                copies = self._copy_kept(functools.partial(self._keep, step, -1, metrics, flat, layout, plan),
+                                         flat, layout, slab)
             finally:
                 self.budget.release(slab)
             self.budget.spare_for(layout)
@@ -280,8 +295,8 @@ class Snapshotter:
         for index in range(len(layout.waves)):
             slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
             assert slab is not None
-            if kept is not None:  # copied and hashed as it lands, then kept
-                kept(slab, self._copy_hashed(flat, layout, slab))
+            if kept is not None:  # copied whole (frozen leaves too), then kept
+                self._copy_kept(kept, flat, layout, slab)
             else:
                 self._copy(flat, layout, index, slab, reuse)
             self._submit_wave(record, layout, index, slab, reuse)
@@ -331,8 +346,8 @@ class Snapshotter:
                         copy_wave(flat, layout, 0, slab, only=guarded)
                 else:
                     device.wait(late)  # (``flat`` holds the sources until their copies are done)
-                if kept is not None:
-                    kept(slab)
+                if kept is not None:  # (a single process's checksums after: ``_copy_kept``)
+                    kept(slab, pending=self.planner is None)
                 self._submit_wave(record, layout, 0, slab, reuse)
                 submitted = True
                 self.budget.spare_for(layout)

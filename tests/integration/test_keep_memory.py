@@ -9,6 +9,7 @@ step, and never restore a wrong byte.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -315,9 +316,51 @@ def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strid
         state["t"] = torch.randn(5, 3).t()
     with mpckpt.Checkpointer(tmp_path / "r", memory_budget="64MiB", overlap=overlap) as ckpt:
         ckpt.save(1, state, mode="sync")
+        ckpt.wait()  # (the record is published before its checksums, then again with them)
         record = ckpt._rt.keeper.kept[1]
         manifest = ckpt._rt.ledger.committed()[1]
         assert record.step == 1 and record.file_entries() == manifest.files
+        found = store.read_kept(str(tmp_path / "r"), 0, 1)  # what a restart would find: the same
+        assert found is not None
+        try:
+            assert not found.record.pending and found.record.file_entries() == manifest.files
+        finally:
+            found.close()
+
+
+def test_a_record_published_before_its_checksums_is_completed_and_restored_from_memory(tmp_path, caplog):
+    """A process killed after ``save()`` returned but before the checksums were in the record leaves
+    it pending: the restart computes them from the slab (nothing writes a kept slab while its
+    record exists) and restores that step from memory, bit for bit, then saves on."""
+    root = tmp_path / "root"
+    model, opt = make_model()
+    with mpckpt.Checkpointer(root, memory_budget="64MiB") as ckpt:
+        train_step(model, opt, 0)
+        ckpt.save(1, {"model": model, "optim": opt}, mode="sync")
+        train_step(model, opt, 1)
+        ckpt.save(2, {"model": model, "optim": opt}, mode="memory")
+        ckpt.wait()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        keeper = ckpt._rt.keeper
+        slab, record = keeper.kept
+        assert not record.pending
+        pending = dataclasses.replace(record, spans={rel: dataclasses.replace(span, checksum=None)
+                                                     for rel, span in record.spans.items()})
+        keeper.store.publish_record(pending)  # as the save left it, before ``_complete``
+        ckpt.close(leave_in_memory=True)
+    on_shm = os.path.join(store.SHM_DIR, store.base_name(str(root), 0) + ".record")
+    with open(on_shm, "rb") as f:
+        assert b'"xxh3_64":null' in f.read()
+    caplog.set_level("INFO", logger="mpckpt")
+    ckpt, state, step = _restart(root)
+    with ckpt:
+        assert step == 2 and ckpt.last_restore.source == "memory", ckpt.last_restore
+        assert_same(dict(state["model"].state_dict()), saved)
+        assert "had no checksums yet" in caplog.text
+        assert ckpt._rt.keeper.kept is not None and not ckpt._rt.keeper.kept[1].pending
+        ckpt.save(3, state, mode="sync")
+        ckpt.wait()
+        assert ckpt._rt.keeper.kept[1].step == 3 and not ckpt._rt.keeper.kept[1].pending
 
 
 def test_mpckpt_gc_names_the_copies_held_for_other_nodes_and_removes_them_like_kept_snapshots(tmp_path):

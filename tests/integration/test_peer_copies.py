@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt._keep.keeper import hash_span
+from mpckpt._keep.digest import hash_span
 from mpckpt._keep.record import KeptRecord
 from tests.conftest import assert_same
 from tests.nodes import Cluster, Job, Node, namespaces_unavailable
