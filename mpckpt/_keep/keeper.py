@@ -140,7 +140,7 @@ class Keeper:
         nodes (their number) when the job makes them."""
         if not self.store.held:
             return None
-        assert not (pending and block_size), "a rank's record is published with its block checksums"
+        assert not (pending and (block_size or self.replicate)), "a rank's record is published with its checksums"
         if pending:
             digests: list[tuple[str | None, tuple[str, ...]]] = [(None, ())] * len(shards)
         elif hashed is not None:

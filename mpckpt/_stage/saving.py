@@ -161,30 +161,37 @@ class Snapshotter:
         if self.planner is None:
             self._copy(flat, layout, 0, slab, None)
             return kept(slab, pending=True)
-        return kept(slab, self._copy_hashed(flat, layout, slab))
-
-    def _copy_hashed(self, flat: FlatState, layout: Layout, slab: Slab) -> list[Any] | None:
-        """Copy the one wave of a snapshot to keep, its shard files hashed as they land (a little more
-        than the copy): their hashers; None when the state cannot be copied so (copied, unhashed)."""
-        block_size = BLOCK_BYTES if self.planner is not None else 0
-        hashers = self.keeper.hashers(layout.waves[0].shards, block_size)
+        hashers = self.keeper.hashers(layout.waves[0].shards, BLOCK_BYTES)
 
         def feed(i: int, view: memoryview) -> None:
             hashers[i].update(view)
 
+        return kept(slab, hashers if self._copy_whole(flat, layout, 0, slab, feed) else None)
+
+    def _copy_whole(self, flat: FlatState, layout: Layout, index: int, slab: Slab,
+                    feed: Callable[[int, memoryview], None] | None) -> bool:
+        """Copy wave ``index`` of a snapshot, every leaf, shard by shard on the keeper's two threads
+        (with many small tensors, faster than one ``_foreach_copy_`` of them all), handing each
+        shard's bytes to ``feed`` as they land (while in the cache); False when the state cannot be
+        copied so (on a GPU, or a large tensor not contiguous: copied by ``copy_wave``, not fed)."""
+        pool = self.keeper.pool
         if slab.sparse:  # made in this save: written through its file (``written``)
-            if write_wave(flat, layout, 0, slab, feed=feed, pool=self.keeper.pool):
+            if write_wave(flat, layout, index, slab, feed=feed, pool=pool):
                 populate(slab)
-                return hashers
+                return True
             allocate(slab)
-        if copy_wave_fed(flat, layout, 0, slab, feed, self.keeper.pool):
-            return hashers
-        copy_wave(flat, layout, 0, slab)
-        return None
+        if copy_wave_fed(flat, layout, index, slab, feed or _unfed, pool):
+            return True
+        copy_wave(flat, layout, index, slab)
+        return False
 
     def _copy(self, flat: FlatState, layout: Layout, index: int, slab: Slab, reuse: Reuse | None) -> None:
-        """Copy wave ``index`` into ``slab``: every leaf, or (``reuse``) those not reused as frozen."""
+        """Copy wave ``index`` into ``slab``: every leaf (``_copy_whole``), or those not reused as
+        frozen (``reuse``)."""
         only = reuse.needs_copy if reuse is not None and reuse.leaves else None
+        if only is None and self.keeper is not None:
+            self._copy_whole(flat, layout, index, slab, None)
+            return
         if slab.sparse:  # made in this save: written through its file (``written``)
             if only is None and write_wave(flat, layout, index, slab):
                 populate(slab)
@@ -386,3 +393,6 @@ class Snapshotter:
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.prepare_staging(record.staging))
 
+
+def _unfed(index: int, view: memoryview) -> None:
+    """The feed of a copy nobody hashes as it lands."""
