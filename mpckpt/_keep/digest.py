@@ -13,12 +13,10 @@ its process died first, from the data itself (``store.read_kept``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
-from typing import Any
 
 import xxhash
 
-from mpckpt._keep.record import KeptRecord, Span
+from mpckpt._keep.record import KeptRecord
 
 HASH_CHUNK = 16 << 20
 
@@ -69,21 +67,9 @@ def with_checksums(record: KeptRecord, digests: dict[str, str]) -> KeptRecord:
     return dataclasses.replace(record, spans=spans)
 
 
-def complete(record: KeptRecord, data: memoryview, *, run: Callable[..., Iterable[Any]] = map,
-             stop: Callable[[], bool] = lambda: False) -> KeptRecord | None:
-    """``record`` with every pending checksum computed from ``data`` (its slab's bytes), the files
-    hashed through ``run`` (``map``, or a thread pool's: xxh3 releases the GIL); None when
-    ``stop()`` said so before a file. Only a single process's record is ever pending (a rank's
-    skeleton lists its block checksums: it is published with them)."""
-    pending = [(rel, span) for rel, span in record.spans.items() if span.checksum is None]
-
-    def digest(item: tuple[str, Span]) -> str | None:
-        rel, span = item
-        if stop():
-            return None
-        return hash_span(span.header, data[span.offset:span.offset + span.nbytes], 0)[0]
-
-    digests = dict(zip((rel for rel, _ in pending), run(digest, pending), strict=True))
-    if any(d is None for d in digests.values()):
-        return None
-    return with_checksums(record, {rel: d for rel, d in digests.items() if d is not None})
+def complete(record: KeptRecord, data: memoryview) -> KeptRecord:
+    """``record`` with every pending checksum computed from ``data`` (its slab's bytes). Only a
+    single process's record is ever pending (a rank's skeleton lists its block checksums: it is
+    published with them)."""
+    return with_checksums(record, {rel: hash_span(span.header, data[span.offset:span.offset + span.nbytes], 0)[0]
+                                   for rel, span in record.spans.items() if span.checksum is None})

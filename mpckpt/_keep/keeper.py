@@ -12,7 +12,7 @@ multi-rank save its block checksums: ``digest``). A rank's copy hashes each piec
 and its record is published with them. A single process's eager save does not wait for them:
 its record is published ``pending`` and the checksums are computed on two threads after
 ``save()`` returns (xxh3 releases the GIL; ~20 ms of a core per GiB that the training thread
-no longer waits for), then the record is published again with them (``_complete``;
+no longer waits for), then the record is published again with them (``_complete_later``;
 ``wait`` waits for it). A process killed in between leaves the pending record, completed from
 the slab when it is found.
 
@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mpckpt._keep.digest import SpanHasher, complete, hash_span
+from mpckpt._keep.digest import SpanHasher, hash_span, with_checksums
 from mpckpt._keep.record import KeptRecord, Span
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
@@ -61,8 +61,9 @@ class Keeper:
         self.replicate: Callable[[KeptRecord, Slab], concurrent.futures.Future[int]] | None = None
         self.kept: tuple[Slab, KeptRecord] | None = None
         self._lock = threading.Lock()
-        self._hashers: concurrent.futures.ThreadPoolExecutor | None = None
-        self._completer: concurrent.futures.ThreadPoolExecutor | None = None
+        # threads started now, not inside a save (``running_threads``)
+        self.pool = running_threads(2, "mpckpt-keep-copy")  # copies (and a rank's hashes) of a save
+        self.completer = running_threads(2, "mpckpt-keep-complete")  # the checksums of a pending record
         self._completion: concurrent.futures.Future[None] | None = None
         self._warned: set[str] = set()
         if self.store.hold():
@@ -119,13 +120,6 @@ class Keeper:
             self.kept = (slab, record)
 
     # -- keeping a new snapshot ------------------------------------------------------------------
-    @property
-    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """Two threads that copy and hash (xxh3 and memmove release the GIL)."""
-        if self._hashers is None:
-            self._hashers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mpckpt-keep-hash")
-        return self._hashers
-
     def hashers(self, shards: list[Any], block_size: int) -> list[SpanHasher]:
         """One hasher per shard file, for a copy that hashes as it goes (``copy_wave_fed``)."""
         return [SpanHasher(s.header, block_size) for s in shards]
@@ -173,39 +167,46 @@ class Keeper:
         if old is not None and old[0] is not slab:
             self.arena.unkeep(old[0])
         if pending:
-            done = self.completer.submit(self._complete, slab, record)
-            done.add_done_callback(self._completed)
-            self._completion = done
+            self._completion = self._complete_later(slab, record)
             return None
         return self.replicate(record, slab) if self.replicate is not None else None
-
-    @property
-    def completer(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The thread that completes pending records (hashing on ``pool``'s two)."""
-        if self._completer is None:
-            self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpckpt-keep-complete")
-        return self._completer
 
     def _still_kept(self, record: KeptRecord) -> bool:
         kept = self.kept
         return kept is not None and kept[1] is record
 
-    def _complete(self, slab: Slab, record: KeptRecord) -> None:
-        """Hash the shard files of ``record`` (published pending) in ``slab`` and publish it again
-        with their checksums, unless a newer snapshot or a save's need of the memory came first
-        (the slab may then be written meanwhile: what was hashed is dropped)."""
-        view = memoryview(slab.segment.mmap)
-        try:
-            done = complete(record, view, run=self.pool.map, stop=lambda: not self._still_kept(record))
-        finally:
-            view.release()
-        if done is None:
-            return
-        with self._lock:
+    def _complete_later(self, slab: Slab, record: KeptRecord) -> concurrent.futures.Future[None]:
+        """Hash the shard files of ``record`` (published pending) in ``slab`` on the completer's two
+        threads and publish it again with their checksums, unless a newer snapshot or a save's need
+        of the memory came first (the slab may then be written meanwhile: what was hashed is
+        dropped). The last job waits for the others, which were queued before it (so started)."""
+        files = list(record.spans.items())
+
+        def digest(rel: str, span: Span) -> str | None:
             if not self._still_kept(record):
+                return None
+            view = memoryview(slab.segment.mmap)
+            try:
+                return hash_span(span.header, view[span.offset:span.offset + span.nbytes], 0)[0]
+            finally:
+                view.release()
+
+        others = [self.completer.submit(digest, rel, span) for rel, span in files[1:]]
+
+        def last() -> None:
+            digests = [digest(*files[0])] if files else []
+            digests += [other.result() for other in others]
+            if None in digests:
                 return
-            self.store.publish_record(done)
-            self.kept = (slab, done)
+            done = with_checksums(record, {rel: d for (rel, _), d in zip(files, digests, strict=True) if d is not None})
+            with self._lock:
+                if self._still_kept(record):
+                    self.store.publish_record(done)
+                    self.kept = (slab, done)
+
+        future = self.completer.submit(last)
+        future.add_done_callback(self._completed)
+        return future
 
     def _completed(self, future: concurrent.futures.Future[None]) -> None:
         error = future.exception()
@@ -243,13 +244,26 @@ class Keeper:
         if not leave:
             with self._lock:
                 self.kept = None  # (a pending record being completed: its completion stops)
-        if self._completer is not None:
-            self._completer.shutdown(wait=True)
+        self.completer.shutdown(wait=True)
         with self._lock:
             if self.found is not None:
                 self.found.close()
                 self.found = None
             self.kept = None
             self.store.release(leave=leave)
-        if self._hashers is not None:
-            self._hashers.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+
+
+def running_threads(count: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """An executor whose ``count`` threads are running when it is returned. A thread started inside
+    a save waits for the process's memory map behind the pages being faulted in: four started in an
+    unprepared first save of 1 GiB took 240 ms, most of that save on 2 cores."""
+    pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix=name)
+    started = threading.Barrier(count + 1)
+    for _ in range(count):  # each holds its thread until all are up, so each gets its own
+        pool.submit(started.wait, 10.0)
+    try:
+        started.wait(10.0)
+    except threading.BrokenBarrierError:
+        pass  # (not up within 10 s: they start when first used)
+    return pool

@@ -164,11 +164,9 @@ def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Fou
         if record.pending:  # its process died before the checksums were in it: they are the data's
             view = memoryview(found.data)
             try:
-                completed = complete(record, view)
+                found.record = complete(record, view)
             finally:
                 view.release()
-            assert completed is not None
-            found.record = completed
             log.info("mpckpt: the snapshot of step %d kept in memory for %s had no checksums yet; computed "
                      "from its data", record.step, url)
         return found
