@@ -201,7 +201,7 @@ class Keeper:
             done = with_checksums(record, {rel: d for (rel, _), d in zip(files, digests, strict=True) if d is not None})
             with self._lock:
                 if self._still_kept(record):
-                    self.store.publish_record(done)
+                    self.store.publish_record(done, again=True)
                     self.kept = (slab, done)
 
         future = self.completer.submit(last)

@@ -253,8 +253,10 @@ class KeptStore:
         os.link(_path(slab_name), _path(record.data))
         self.publish_record(record)
 
-    def publish_record(self, record: KeptRecord) -> None:
-        """Put ``record`` in place (its data file ``record.data`` is complete); older data goes."""
+    def publish_record(self, record: KeptRecord, *, again: bool = False) -> None:
+        """Put ``record`` in place (its data file ``record.data`` is complete); older data goes.
+        A failure removes that data file, unless ``again`` (the record of the data already in
+        place, written once more: a pending one with its checksums), which leaves both as they were."""
         assert self.held
         try:
             tmp = f"{self.base}.record.tmp-{secrets.token_hex(8)}"
@@ -265,7 +267,8 @@ class KeptStore:
                 os.close(fd)
             os.rename(_path(tmp), _path(self.base + ".record"))  # INVARIANT: after the last byte
         except BaseException:
-            _unlink(record.data)
+            if not again:
+                _unlink(record.data)
             raise
         self.remove_data(keep=record.data)
 

@@ -346,7 +346,7 @@ def test_a_record_published_before_its_checksums_is_completed_and_restored_from_
         assert not record.pending
         pending = dataclasses.replace(record, spans={rel: dataclasses.replace(span, checksum=None)
                                                      for rel, span in record.spans.items()})
-        keeper.store.publish_record(pending)  # as the save left it, before ``_complete``
+        keeper.store.publish_record(pending, again=True)  # as the save left it, before ``_complete_later``
         ckpt.close(leave_in_memory=True)
     on_shm = os.path.join(store.SHM_DIR, store.base_name(str(root), 0) + ".record")
     with open(on_shm, "rb") as f:
