@@ -3,7 +3,12 @@
 For each state shape (``--shapes``), in a fresh subprocess, every mode of ``--modes`` on the same
 tensors:
 
-  floor    a bare ``copy_`` of every tensor into preallocated, pre-touched shared memory
+  floor    a bare ``copy_`` of every tensor into preallocated, pre-touched shared memory; with
+           ``floor`` among the modes, the same copy is also made right before every timed save
+           of eager, unkept and overlap, and each of them is given against those copies (the
+           ratio of the medians): this machine's copy speed drifts between processes and over
+           minutes (61-114 ms for the same 1 GiB), and a save is compared with copies a moment
+           apart from it, never with copies made in another phase of the run
   eager    ``Checkpointer(dir, workers=2)``, ``prepare(state)`` first, then ``--saves`` ASYNC
            saves, each timed from the call to its return; the previous save's commit, its
            keeping in memory, retention's deletes and the kernel's writeback of its files
@@ -111,16 +116,20 @@ def tensors_of(value: Any) -> list[Any]:
     return []
 
 
-def _timed_saves(ckpt: Any, state: dict[str, Any], saves: int, first_step: int = 0) -> list[float]:
-    out = []
-    for step in range(first_step, first_step + saves):
+def _timed_saves(ckpt: Any, state: dict[str, Any], saves: int, floor: Any = None) -> tuple[list[float], list[float]]:
+    """The milliseconds of each save, and of the floor's copy made right before it (``floor``
+    given: the copy and the save it is compared with see the same machine, a moment apart)."""
+    out, floors = [], []
+    for step in range(saves):
+        if floor is not None:
+            floors.append(floor.copy())
         started = time.perf_counter()
         future = ckpt.save(step, state)
         out.append((time.perf_counter() - started) * 1e3)
         future.result(600)  # not timed: the next save starts with nothing of this one in flight:
         ckpt.wait(600)      # its upload, its keeping in memory, retention's deletes,
         os.sync()           # and the kernel's writeback of the files it wrote
-    return out
+    return out, floors
 
 
 def _dcp(state_dicts: Any, root: str, saves: int) -> list[float]:
@@ -160,21 +169,20 @@ def child(shape: str, saves: int, modes: list[str], gib: float) -> dict[str, Any
     tensors = tensors_of(state)
     result: dict[str, Any] = {"shape": shape, "tensors": len(tensors), "bytes": h.state_bytes(tensors),
                               "mpckpt": mpckpt.__file__}
+    floor = h.ShmFloor(tensors) if "floor" in modes else None
     with tempfile.TemporaryDirectory(dir=h.RESULTS_DIR) as root:
         for mode in modes:
             if mode == "floor":
-                floor = h.ShmFloor(tensors)
                 result["floor_ms"] = [floor.copy() for _ in range(saves)]
-                del floor
             elif mode in ("eager", "unkept", "overlap"):
                 with mpckpt.Checkpointer(os.path.join(root, mode), workers=2, keep_last=1,
                                          overlap=mode == "overlap", keep_in_memory=mode != "unkept") as ckpt:
                     ckpt.prepare(state)
-                    result[f"{mode}_ms"] = _timed_saves(ckpt, state, saves)
+                    result[f"{mode}_ms"], result[f"{mode}_floor_ms"] = _timed_saves(ckpt, state, saves, floor)
             elif mode == "cold":
                 with mpckpt.Checkpointer(os.path.join(root, mode), workers=2, keep_last=1) as ckpt:
                     ckpt.wait()  # the uploaders are up, as after a script's first steps
-                    result["cold_ms"] = _timed_saves(ckpt, state, saves)
+                    result["cold_ms"] = _timed_saves(ckpt, state, saves)[0]
             elif mode == "dcp":
                 try:
                     result["dcp_ms"] = _dcp(state_dicts, root, saves)
@@ -188,7 +196,9 @@ def _p50(values: list[float] | None) -> float | None:
 
 
 def _row(r: dict[str, Any], label: str) -> str:
-    floor = _p50(r.get("floor_ms"))
+    every_floor = [v for key in ("floor_ms", "eager_floor_ms", "unkept_floor_ms", "overlap_floor_ms")
+                   for v in r.get(key) or []]
+    floor = _p50(every_floor)
     cold, dcp = r.get("cold_ms") or [], r.get("dcp_ms") or []
 
     def ms(v: float | None) -> str:
@@ -197,9 +207,12 @@ def _row(r: dict[str, Any], label: str) -> str:
     def x(v: float | None, base: float | None) -> str:
         return "-" if v is None or not base else f"{v / base:.2f}x"
 
-    eager, overlap, unkept = _p50(r.get("eager_ms")), _p50(r.get("overlap_ms")), _p50(r.get("unkept_ms"))
-    return (f"| {label} | {r['shape']} | {r['tensors']:,} | {r['bytes'] / h.MIB:,.0f} | {ms(floor)} | {ms(eager)} "
-            f"({x(eager, floor)}) | {ms(unkept)} ({x(unkept, floor)}) | {ms(overlap)} ({x(overlap, floor)}) | {ms(cold[0] if cold else None)} | "
+    def paired(mode: str) -> str:  # the saves against the floor's copies made right before them
+        saved = _p50(r.get(f"{mode}_ms"))
+        return f"{ms(saved)} ({x(saved, _p50(r.get(f'{mode}_floor_ms')) or floor)})"
+
+    return (f"| {label} | {r['shape']} | {r['tensors']:,} | {r['bytes'] / h.MIB:,.0f} | {ms(floor)} | {paired('eager')} "
+            f"| {paired('unkept')} | {paired('overlap')} | {ms(cold[0] if cold else None)} | "
             f"{ms(_p50(cold[1:]))} | {ms(dcp[0] if dcp else None)} | {ms(_p50(dcp[1:]))} | "
             f"{x(cold[0] if cold else None, dcp[0] if dcp else None)} | {r.get('foreign_cpu_pct', '-')} |")
 
@@ -236,8 +249,8 @@ def main() -> None:
                 raise SystemExit(f"child for {shape} failed: {run['error']}")
             rows.append(run)
     h.write_json(args.out, {"benchmark": "save_overhead", "args": vars(args), "machine": h.machine_info(), "rows": rows})
-    print("| checkout | shape | tensors | MiB | floor ms | eager ms (x floor) | unkept ms (x floor) | overlapped ms "
-          "(x floor) | cold first ms | cold steady ms | DCP first ms | DCP steady ms | cold first / DCP first "
+    print("| checkout | shape | tensors | MiB | floor ms | eager ms (x paired floor) | unkept ms (x paired floor) | overlapped ms "
+          "(x paired floor) | cold first ms | cold steady ms | DCP first ms | DCP steady ms | cold first / DCP first "
           "| other procs CPU % |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

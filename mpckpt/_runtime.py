@@ -11,8 +11,9 @@ Its finalizer, and an atexit hook for the end of the program, wait for the check
 It handles a save once the Checkpointer has checked its arguments: whether it is due (the
 trigger; after a preemption signal every save is, and synchronous; in a job one all_gather
 makes the ranks agree), warming shared memory on the first save that is not, the snapshot
-with the garbage collector paused; and the rules of ``report`` for a folder. What is opened
-for a root, and when opening is refused, is ``_opening``'s.
+with the garbage collector paused; and ``report`` (the rules for a folder are
+``_upload.directory``'s). What is opened for a root, and when opening is refused, is
+``_opening``'s.
 
 Nothing it starts stands between the open and a restored model: the uploaders start in the
 background (the first call that needs them waits, bounded, and raises why they could not:
@@ -53,7 +54,7 @@ from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._dist.group import RankGroup
 from mpckpt._dist.plan import Planner
-from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
+from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._keep.keeper import Keeper
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._read.view import ReadsCommitted
@@ -65,7 +66,6 @@ from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
 from mpckpt._writer_lock import acquire_writer_lock, release_writer_lock
 from mpckpt.catalog import Recovered, read_manifest, recover
-from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import Config, UploadMode
 from mpckpt.errors import CheckpointNotFoundError, ConfigError
 from mpckpt.format.manifest import Manifest
@@ -158,7 +158,7 @@ class Runtime(ReadsCommitted):
                     from mpckpt._peer.tier import JobTier
                     self.tier = JobTier(self.keeper, self.arena, group, copies=config.peer_copies,
                                         token=opened.token, timeout_s=2 * config.job_timeout_s)
-            self.directories = DirectoryUploads(config, self.ledger, self.pool, backend)
+            self.directories = DirectoryUploads(config, self.ledger, self.pool, backend, local=spec.scheme == "file")
             self.deleter = Deleter(backend)
             if validate_fn is not None:
                 from mpckpt._commit.validation import Validator, ValidatorSetup
@@ -363,21 +363,8 @@ class Runtime(ReadsCommitted):
             self._stats.reported.append({"step": step, **metrics})
             return None
         self._uploaders_ready()
-        if self.group is not None:
-            raise ConfigError("report(checkpoint=...) uploads files one process wrote; in a multi-rank job save the "
-                              "state with save(step, state) on every rank, or upload the folder from a single process")
-        if not isinstance(checkpoint, Checkpoint) or checkpoint._stored is not None:
-            raise ConfigError("report(checkpoint=...) takes Checkpoint.from_directory(path) of files you wrote")
-        step = check_step(step)
-        files = local_files(checkpoint.path, links=mode is not UploadMode.NO_UPLOAD)
-        if delete_local is None:  # deleted after an ASYNC upload, kept after a SYNC one
-            delete_local = mode is UploadMode.ASYNC
-        if mode is UploadMode.NO_UPLOAD and self.spec.scheme != "file":
-            raise ConfigError(f"mode=NO_UPLOAD moves a local folder into {self.backend.url}; with a remote root use "
-                              "ASYNC or SYNC")
-        stats = SaveStats(step, bytes=sum(os.path.getsize(os.path.join(checkpoint.path, f)) for f in files))
-        record = self.directories.report(step, checkpoint.path, files, metrics, stats,
-                                         upload=mode is not UploadMode.NO_UPLOAD, delete_local=delete_local)
+        record = self.directories.report_folder(step, metrics, checkpoint, mode=mode, delete_local=delete_local,
+                                                multi_rank=self.group is not None, check_step=check_step)
         return self._returned(record.future, mode, started)
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:
