@@ -31,6 +31,7 @@ from mpckpt.errors import BudgetError
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14): map a range's pages as a write would, without writing
 _PAGE = 4096
+_POPULATE_CHUNK = 8 << 20  # mapped per call: the process's map lock is held for one piece at a time
 _CHUNK = 4 << 20  # written, then fed on while still in the cache
 _IOV_MAX = 1024
 
@@ -58,22 +59,31 @@ def allocate(slab: Slab) -> None:
     slab.sparse = False
 
 
-def populate(slab: Slab) -> None:
-    """Map the pages of a slab filled through its file into this process, in the background, so
-    that a later save copying through the map pays no page faults (best effort)."""
-    def run() -> None:
-        try:
-            view = memoryview(slab.segment.mmap)  # INVARIANT: held, the map cannot go away meanwhile
-        except ValueError:  # closed already
-            return
-        try:
-            address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(address), ctypes.c_size_t(len(view)),
-                                                      _MADV_POPULATE_WRITE)  # (ctypes calls leave the GIL)
-        finally:
-            view.release()
+def populate(slab: Slab) -> threading.Thread:
+    """Map the pages of a slab filled through its file into this process, in the background (the
+    thread returned), so that a later save copying through the map pays no page faults (best
+    effort). In pieces of ``_POPULATE_CHUNK``: mapping pages holds this process's map lock, and
+    any thread that allocates memory meanwhile (a new arena of Python objects is a map) waits for
+    it. Mapped whole in one call, the rest of a first save of 5,424 tensors spent ~230 ms in a
+    5 ms list comprehension, waiting for 1 GiB to be mapped."""
+    thread = threading.Thread(target=_map_pages, args=(slab,), name="mpckpt-map-slab", daemon=True)
+    thread.start()
+    return thread
 
-    threading.Thread(target=run, name="mpckpt-map-slab", daemon=True).start()
+
+def _map_pages(slab: Slab) -> None:
+    try:
+        view = memoryview(slab.segment.mmap)  # INVARIANT: held, the map cannot go away meanwhile
+    except ValueError:  # closed already
+        return
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        for at in range(0, len(view), _POPULATE_CHUNK):  # (ctypes calls leave the GIL)
+            madvise(ctypes.c_void_p(address + at), ctypes.c_size_t(min(_POPULATE_CHUNK, len(view) - at)),
+                    _MADV_POPULATE_WRITE)
+    finally:
+        view.release()
 
 
 def write_wave(flat: Any, layout: Layout, wave_index: int, slab: Slab, *,

@@ -293,6 +293,43 @@ def test_slabs_made_ahead_are_touched_and_every_page_is_allocated(make_arena):
     assert bool((in_save.tensor == 0).all())  # fresh pages read as zeros either way
 
 
+def _mapped_bytes(slab: Slab) -> int:
+    """The bytes of ``slab``'s map that are mapped into this process now (its Rss in smaps)."""
+    import ctypes
+
+    view = memoryview(slab.segment.mmap)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    finally:
+        view.release()
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no map of {slab.name} in /proc/self/smaps")
+
+
+def test_a_slab_written_through_its_file_is_mapped_whole_in_the_background(make_arena):
+    """``populate`` maps every page of a slab filled through its file, the last partial piece
+    too (it maps in pieces, so that the process's map lock is never held for the whole slab)."""
+    from mpckpt._stage import written
+
+    arena = make_arena(64 * MiB)
+    slab = arena.try_acquire(written._POPULATE_CHUNK * 2 + 3 * 4096)
+    assert slab is not None and slab.sparse
+    written.allocate(slab)  # every page exists in /dev/shm; none is mapped here yet
+    assert _mapped_bytes(slab) < slab.capacity
+    thread = written.populate(slab)
+    thread.join(BOUND_S)
+    assert not thread.is_alive()
+    assert _mapped_bytes(slab) >= slab.capacity
+
+
 def test_a_peer_copy_is_held_beside_two_own_slabs_and_a_spare_gives_way_to_it(make_arena, shm_sizes):
     arena = make_arena(12 * MiB)
     slabs = [arena.try_acquire(4 * MiB) for _ in range(3)]  # the kept one, the next save's, a spare
