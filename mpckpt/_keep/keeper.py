@@ -126,12 +126,20 @@ class Keeper:
 
     def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
              small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
-             hashed: list[SpanHasher] | None = None, pending: bool = False) -> concurrent.futures.Future[int] | None:
+             hashed: list[SpanHasher] | None = None, pending: bool = False,
+             uploaded: concurrent.futures.Future[dict[str, str]] | None = None,
+             ) -> concurrent.futures.Future[int] | None:
         """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s;
-        ``hashed``: their hashers, fed as the copy went; ``pending``: a single process's, hashed
+        ``hashed``: their hashers, fed as the copy went; ``pending``: a single process's, completed
         after this returns; else they are hashed here): publish its record, keep it; the
         previously kept slab goes back to the pool. Returned: the future of its copies on other
-        nodes (their number) when the job makes them."""
+        nodes (their number) when the job makes them.
+
+        ``uploaded`` (with ``pending``): resolves, once the save's uploads of this slab are done,
+        to the checksum of every shard file they wrote (by name). The uploaders hash each file as
+        they write it from this very slab: the completion waits for those and hashes only the
+        shards no upload wrote (reused, failed), instead of reading the whole slab again beside
+        the training steps right after the save."""
         if not self.store.held:
             return None
         assert not (pending and (block_size or self.replicate)), "a rank's record is published with its checksums"
@@ -167,7 +175,7 @@ class Keeper:
         if old is not None and old[0] is not slab:
             self.arena.unkeep(old[0])
         if pending:
-            self._completion = self._complete_later(slab, record)
+            self._completion = self._complete_when(uploaded, slab, record)
             return None
         return self.replicate(record, slab) if self.replicate is not None else None
 
@@ -175,12 +183,34 @@ class Keeper:
         kept = self.kept
         return kept is not None and kept[1] is record
 
-    def _complete_later(self, slab: Slab, record: KeptRecord) -> concurrent.futures.Future[None]:
-        """Hash the shard files of ``record`` (published pending) in ``slab`` on the completer's two
-        threads and publish it again with their checksums, unless a newer snapshot or a save's need
-        of the memory came first (the slab may then be written meanwhile: what was hashed is
-        dropped). The last job waits for the others, which were queued before it (so started)."""
-        files = list(record.spans.items())
+    def _complete_when(self, uploaded: concurrent.futures.Future[dict[str, str]] | None, slab: Slab,
+                       record: KeptRecord) -> concurrent.futures.Future[None]:
+        """The future of ``record``'s completion (``_complete_later``), started now, or once
+        ``uploaded`` says which checksums the uploads computed. A completion that cannot start
+        (the completer shut down: closing) leaves the record pending, as a kill would."""
+        finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+        finished.add_done_callback(self._completed)
+
+        def start(known: dict[str, str]) -> None:
+            try:
+                self._complete_later(slab, record, known, finished)
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                finished.set_result(None)
+
+        if uploaded is None:
+            start({})
+        else:
+            uploaded.add_done_callback(lambda done: start(done.result() if done.exception() is None else {}))
+        return finished
+
+    def _complete_later(self, slab: Slab, record: KeptRecord, known: dict[str, str],
+                        finished: concurrent.futures.Future[None]) -> None:
+        """Hash the shard files of ``record`` (published pending) in ``slab`` that ``known`` has no
+        checksum of, on the completer's two threads, and publish it again with every checksum,
+        unless a newer snapshot or a save's need of the memory came first (the slab may then be
+        written meanwhile: what was hashed is dropped); ``finished`` resolves when that is over.
+        The last job waits for the others, which were queued before it (so started)."""
+        files = [(rel, span) for rel, span in record.spans.items() if rel not in known]
 
         def digest(rel: str, span: Span) -> str | None:
             if not self._still_kept(record):
@@ -194,19 +224,29 @@ class Keeper:
         others = [self.completer.submit(digest, rel, span) for rel, span in files[1:]]
 
         def last() -> None:
-            digests = [digest(*files[0])] if files else []
-            digests += [other.result() for other in others]
-            if None in digests:
-                return
-            done = with_checksums(record, {rel: d for (rel, _), d in zip(files, digests, strict=True) if d is not None})
-            with self._lock:
-                if self._still_kept(record):
-                    self.store.publish_record(done, again=True)
-                    self.kept = (slab, done)
+            try:
+                digests = [digest(*files[0])] if files else []
+                digests += [other.result() for other in others]
+                if None in digests or not self._still_kept(record):
+                    return
+                computed = {rel: d for (rel, _), d in zip(files, digests, strict=True) if d is not None}
+                done = with_checksums(record, {**{rel: known[rel] for rel in record.spans if rel in known}, **computed})
+                with self._lock:
+                    if self._still_kept(record):
+                        self.store.publish_record(done, again=True)
+                        self.kept = (slab, done)
+            except BaseException as e:  # (said by ``_completed``)
+                finished.set_exception(e)
+            finally:
+                if not finished.done():
+                    finished.set_result(None)
 
-        future = self.completer.submit(last)
-        future.add_done_callback(self._completed)
-        return future
+        try:
+            self.completer.submit(last)
+        except RuntimeError:
+            for other in others:
+                other.cancel()
+            raise
 
     def _completed(self, future: concurrent.futures.Future[None]) -> None:
         error = future.exception()

@@ -21,6 +21,8 @@ staging folders are the commit side's), and the committer writes the skeleton an
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import time
 import warnings
@@ -153,14 +155,16 @@ class Snapshotter:
         self.keeper.warn_once("waves", text)
         return False
 
-    def _copy_kept(self, kept: Callable[..., Any], flat: FlatState, layout: Layout, slab: Slab) -> Any:
+    def _copy_kept(self, kept: Callable[..., Any], flat: FlatState, layout: Layout, slab: Slab,
+                   uploaded: concurrent.futures.Future[dict[str, str]] | None = None) -> Any:
         """Copy the one wave of a snapshot to keep and keep it (``kept``: ``_keep`` bound to the
-        save). A single process's record is published before its checksums, computed after
-        ``save()`` returns (``Keeper.keep``, ``pending``); a rank's copy hashes each piece as it
-        lands, since its record (its skeleton) lists its block checksums."""
+        save). A single process's record is published before its checksums, completed after
+        ``save()`` returns (``Keeper.keep``, ``pending``), with those the uploads of the slab
+        compute (``uploaded``, resolved by ``_submit_wave``); a rank's copy hashes each piece as
+        it lands, since its record (its skeleton) lists its block checksums."""
         if self.planner is None:
             self._copy(flat, layout, 0, slab, None)
-            return kept(slab, pending=True)
+            return kept(slab, pending=True, uploaded=uploaded)
         hashers = self.keeper.hashers(layout.waves[0].shards, BLOCK_BYTES)
 
         def feed(i: int, view: memoryview) -> None:
@@ -201,7 +205,7 @@ class Snapshotter:
 
     def _keep(self, step: int, seq: int, metrics: dict[str, Any], flat: FlatState, layout: Layout, plan: Any,
               slab: Slab, hashed: list[Any] | None = None, stats: SaveStats | None = None,
-              pending: bool = False) -> Any:
+              pending: bool = False, uploaded: concurrent.futures.Future[dict[str, str]] | None = None) -> Any:
         """``slab`` holds the complete snapshot: keep it (``Keeper.keep``; hashed there unless
         ``hashed`` or ``pending``); the future of its copies on other nodes, if the job makes them."""
         if self.planner is not None:
@@ -218,7 +222,7 @@ class Snapshotter:
         copies = self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
                                   small_name=small_name, small=small,
                                   block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed,
-                                  pending=pending)
+                                  pending=pending, uploaded=uploaded)
         if copies is not None and stats is not None:
             copies.add_done_callback(lambda done: setattr(stats, "peer_copies", done.result()))
         return copies
@@ -299,14 +303,19 @@ class Snapshotter:
         """Copy every wave now (``recording`` settles the record if this raises); ``kept``: keep the
         snapshot in memory (one wave, every leaf copied, frozen ones too)."""
         started = time.perf_counter()
-        for index in range(len(layout.waves)):
-            slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
-            assert slab is not None
-            if kept is not None:  # copied whole (frozen leaves too), then kept
-                self._copy_kept(kept, flat, layout, slab)
-            else:
-                self._copy(flat, layout, index, slab, reuse)
-            self._submit_wave(record, layout, index, slab, reuse)
+        uploaded = _uploads_of_kept() if kept is not None and self.planner is None else None
+        try:
+            for index in range(len(layout.waves)):
+                slab = first if index == 0 else self.budget.take(layout.waves[index].nbytes)
+                assert slab is not None
+                if kept is not None:  # copied whole (frozen leaves too), then kept
+                    self._copy_kept(kept, flat, layout, slab, uploaded)
+                else:
+                    self._copy(flat, layout, index, slab, reuse)
+                self._submit_wave(record, layout, index, slab, reuse, uploaded)
+        except BaseException:
+            _settle(uploaded, {})  # (nothing uploads this slab: the kept record's checksums are all hashed)
+            raise
         self.ledger.all_submitted(record, snapshot_started=started)
         self.budget.spare_for(layout)
 
@@ -347,6 +356,7 @@ class Snapshotter:
 
         def rest() -> None:
             submitted = False
+            uploaded = _uploads_of_kept() if kept is not None and self.planner is None else None
             try:
                 if late is None:
                     if guarded:
@@ -354,11 +364,13 @@ class Snapshotter:
                 else:
                     device.wait(late)  # (``flat`` holds the sources until their copies are done)
                 if kept is not None:  # (a single process's checksums after: ``_copy_kept``)
-                    kept(slab, pending=self.planner is None)
-                self._submit_wave(record, layout, 0, slab, reuse)
+                    kept(slab, pending=self.planner is None, uploaded=uploaded)
+                self._submit_wave(record, layout, 0, slab, reuse, uploaded)
                 submitted = True
                 self.budget.spare_for(layout)
             except BaseException as e:  # surfaces through the save's future, not lost
+                if not submitted:  # (nothing uploads this slab: the kept record's checksums are all hashed)
+                    _settle(uploaded, {})
                 if not submitted and not self.ledger.holds(record, slab):
                     self.budget.release(slab)
                 self.ledger.resolve(record, "failed", e)
@@ -370,10 +382,14 @@ class Snapshotter:
             self._copier = BackgroundCopier(timeout_s=self.config.timeout_s)
         self._copier.run(record.stats, rest, device_events=late, copied=copied)
 
-    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: Reuse) -> None:
+    def _submit_wave(self, record: Pending, layout: Layout, index: int, slab: Slab, reuse: Reuse,
+                     uploaded: concurrent.futures.Future[dict[str, str]] | None = None) -> None:
+        """Queue the upload of every shard of wave ``index`` that is not reused; ``uploaded`` (a
+        kept snapshot's) resolves, once they are all done, to the checksums they computed."""
         shards = [s for s in layout.waves[index].shards if s.filename not in reuse.files]
         if not shards:
             self.budget.release(slab)
+            _settle(uploaded, {})
             return
         left = {"jobs": len(shards)}
         self.ledger.hold(record, slab)
@@ -382,6 +398,9 @@ class Snapshotter:
         def wave_done() -> None:  # the slab is free once every shard of the wave is written
             left["jobs"] -= 1
             if left["jobs"] == 0:
+                # (each written file's entry, recorded just before: a failed one has none)
+                _settle(uploaded, {s.filename: entry.checksum for s in shards
+                                   if (entry := record.files.get(s.filename)) is not None})
                 self.ledger.let_go(record, slab)
                 self.budget.release(slab)
 
@@ -392,6 +411,18 @@ class Snapshotter:
                                   BLOCK_BYTES if self.planner is not None else 0), done, tag=record.seq, step=record.step,
                 timeout_s=self.config.job_deadline_s(shard.nbytes))
             for shard in shards), before=lambda: self.prepare_staging(record.staging))
+
+
+def _uploads_of_kept() -> concurrent.futures.Future[dict[str, str]]:
+    """What the uploads of a kept slab hashed (``Keeper.keep``'s ``uploaded``)."""
+    return concurrent.futures.Future()
+
+
+def _settle(uploaded: concurrent.futures.Future[dict[str, str]] | None, digests: dict[str, str]) -> None:
+    """Resolve ``uploaded`` with ``digests`` unless it is resolved already (the first word stands)."""
+    if uploaded is not None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            uploaded.set_result(digests)
 
 
 def _unfed(index: int, view: memoryview) -> None:

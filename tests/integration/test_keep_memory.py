@@ -25,6 +25,7 @@ from mpckpt._keep import store
 from mpckpt._stage import shm as _shm
 from mpckpt.errors import ConfigError
 from tests.conftest import assert_same, make_model, train_step
+from tests.integration.gated_backend import gated_url
 
 TRAINER = str(Path(__file__).with_name("keep_trainer.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -326,6 +327,26 @@ def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strid
             assert not found.record.pending and found.record.file_entries() == manifest.files
         finally:
             found.close()
+
+
+def test_a_kept_record_is_completed_with_the_checksums_of_its_uploads(tmp_path):
+    """A single process's kept record is published pending and completed once the uploads of its
+    slab are done, with the checksums they computed (the slab is not read again for them, beside
+    the training steps that follow the save): pending while its uploads are held at a gate."""
+    gate = tmp_path / "gate"
+    state = {"w": torch.randn(300, 300), "b": torch.arange(11, dtype=torch.int64)}
+    with mpckpt.Checkpointer(gated_url(tmp_path / "r"), storage_options={"gate": str(gate)}, workers=1,
+                             memory_budget="64MiB") as ckpt:
+        try:
+            future = ckpt.save(1, state)
+            ckpt._rt.keeper.wait(1.0)  # (a completion that did not wait for the uploads is over by now)
+            record = ckpt._rt.keeper.kept[1]
+            assert not future.done() and record.step == 1 and record.pending
+        finally:
+            os.close(os.open(gate, os.O_CREAT | os.O_WRONLY))  # open the gate (never hold the close)
+        ckpt.wait()
+        record = ckpt._rt.keeper.kept[1]
+        assert not record.pending and record.file_entries() == ckpt._rt.ledger.committed()[1].files
 
 
 def test_a_record_published_before_its_checksums_is_completed_and_restored_from_memory(tmp_path, caplog):
