@@ -10,11 +10,13 @@ save is thus recoverable on this node as soon as ``save()`` returns, before its 
 The record lists every shard file's xxh3-64 (the checksum storage will also get, and in a
 multi-rank save its block checksums: ``digest``). A rank's copy hashes each piece as it lands
 and its record is published with them. A single process's eager save does not wait for them:
-its record is published ``pending`` and the checksums are computed on two threads after
-``save()`` returns (xxh3 releases the GIL; ~20 ms of a core per GiB that the training thread
-no longer waits for), then the record is published again with them (``_complete_later``;
-``wait`` waits for it). A process killed in between leaves the pending record, completed from
-the slab when it is found.
+its record is published ``pending``, and completed once the save's uploads of the slab are
+done: they hash every file they write (the manifest's checksums), and those are taken; only
+the files no upload wrote (reused frozen shards, failed uploads, a ``mode="memory"`` save) are
+hashed here, on two threads of the completer's (``_complete_when``, ``_complete_later``). The
+record is then published again with every checksum (``wait`` waits for it). Hashing the whole
+slab again right after the save took ~45 ms of CPU per GiB beside the first training step. A
+process killed in between leaves the pending record, completed from the slab when it is found.
 
 At open, the snapshot a previous process of this root and rank kept is found (``found``) and
 offered to the restore as a ``memory`` source (``source_for``; in a job, ``_peer.inventory``

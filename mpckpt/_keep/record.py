@@ -12,8 +12,8 @@ manifest's does, so a torn or edited record is refused, never trusted.
 
 A single process's record may be published before its shard files' checksums (``null``): an
 eager save puts it in place as soon as the copy is complete, so a kill right after ``save()``
-returns loses nothing, and the checksums are computed in the background and the record
-published again with them (``_keep.keeper``). A record still pending when its process died is
+returns loses nothing; the checksums are added once its uploads (which compute them) are done,
+and the record published again with them (``_keep.keeper``). A record still pending when its process died is
 completed from the data when found (``_keep.digest.complete``): nothing writes a kept slab
 while its record exists, so those are the bytes the save copied. A rank's record (its skeleton
 lists its block checksums) is never pending.
