@@ -301,6 +301,24 @@ def emit_result(result: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def run_each(script: str, items: Sequence[str], child_args: list[str], *, label: str, repeats: int = 1,
+             pythonpath: str | None = None, sample_ms: float = 1000) -> list[dict[str, Any]]:
+    """``script --child ITEM *child_args`` in a fresh process for each item, ``repeats`` times over
+    (with ``pythonpath``: the children import that checkout's mpckpt); their results, in order."""
+    if pythonpath:
+        os.environ["PYTHONPATH"] = os.path.abspath(pythonpath)
+    name = os.path.splitext(os.path.basename(script))[0]
+    rows = []
+    for _ in range(repeats):
+        for item in items:
+            print(f"[{name}] {label}: {item} ...", file=sys.stderr, flush=True)
+            run = run_child([os.path.abspath(script), "--child", item, *child_args], sample_ms=sample_ms)
+            if run.get("status") == "error":
+                raise SystemExit(f"child for {item} failed: {run['error']}")
+            rows.append(run)
+    return rows
+
+
 def run_child(argv: list[str], *, sample_ms: float = 20, timeout_s: float = 1800) -> dict[str, Any]:
     """Run ``python argv`` in a fresh process, sample its memory, return its result + memory peaks.
 

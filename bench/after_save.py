@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import tempfile
 import time
 from typing import Any
@@ -97,17 +96,9 @@ def main() -> None:
         h.emit_result(child(args.child, args.saves, args.steps, args.work, args.gib))
         return
     os.makedirs(h.RESULTS_DIR, exist_ok=True)
-    if args.pythonpath:
-        os.environ["PYTHONPATH"] = os.path.abspath(args.pythonpath)
-    rows = []
-    for _ in range(args.repeats):
-        for mode in [m for m in args.modes.split(",") if m]:
-            print(f"[after_save] {args.label}: {mode} ...", file=sys.stderr, flush=True)
-            run = h.run_child([os.path.abspath(__file__), "--child", mode, "--saves", str(args.saves), "--steps",
-                               str(args.steps), "--work", str(args.work), "--gib", str(args.gib)], sample_ms=1000)
-            if run.get("status") == "error":
-                raise SystemExit(f"child for {mode} failed: {run['error']}")
-            rows.append(run)
+    rows = h.run_each(__file__, [m for m in args.modes.split(",") if m],
+                      ["--saves", str(args.saves), "--steps", str(args.steps), "--work", str(args.work), "--gib",
+                       str(args.gib)], label=args.label, repeats=args.repeats, pythonpath=args.pythonpath)
     h.write_json(args.out, {"benchmark": "after_save", "args": vars(args), "machine": h.machine_info(), "rows": rows})
     print("| checkout | mode | plain step ms | steps after a save, ms (1st, 2nd, ...) | trainer CPU ms per save "
           "| other procs CPU % |")

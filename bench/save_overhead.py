@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -237,17 +236,9 @@ def main() -> None:
         h.emit_result(child(args.child, args.saves, modes, args.gib))
         return
     os.makedirs(h.RESULTS_DIR, exist_ok=True)
-    if args.pythonpath:
-        os.environ["PYTHONPATH"] = os.path.abspath(args.pythonpath)
-    rows = []
-    for _ in range(args.repeats):
-        for shape in args.shapes.split(","):
-            print(f"[save_overhead] {args.label}: {shape} ...", file=sys.stderr, flush=True)
-            run = h.run_child([os.path.abspath(__file__), "--child", shape, "--saves", str(args.saves), "--modes",
-                               ",".join(modes), "--gib", str(args.gib)], sample_ms=args.sample_ms)
-            if run.get("status") == "error":
-                raise SystemExit(f"child for {shape} failed: {run['error']}")
-            rows.append(run)
+    rows = h.run_each(__file__, args.shapes.split(","), ["--saves", str(args.saves), "--modes", ",".join(modes),
+                                                          "--gib", str(args.gib)],
+                      label=args.label, repeats=args.repeats, pythonpath=args.pythonpath, sample_ms=args.sample_ms)
     h.write_json(args.out, {"benchmark": "save_overhead", "args": vars(args), "machine": h.machine_info(), "rows": rows})
     print("| checkout | shape | tensors | MiB | floor ms | eager ms (x paired floor) | unkept ms (x paired floor) | overlapped ms "
           "(x paired floor) | cold first ms | cold steady ms | DCP first ms | DCP steady ms | cold first / DCP first "
