@@ -193,11 +193,13 @@ class Keeper:
         finished: concurrent.futures.Future[None] = concurrent.futures.Future()
         finished.add_done_callback(self._completed)
 
-        def start(known: dict[str, str]) -> None:
+        def start(known: dict[str, str]) -> None:  # (on the thread that resolved ``uploaded``)
             try:
                 self._complete_later(slab, record, known, finished)
             except RuntimeError:  # "cannot schedule new futures after shutdown"
                 finished.set_result(None)
+            except BaseException as e:  # (said by ``_completed``; never lost in a callback)
+                finished.set_exception(e)
 
         if uploaded is None:
             start({})
