@@ -231,10 +231,9 @@ class Keeper:
             try:
                 digests = [digest(*files[0])] if files else []
                 digests += [other.result() for other in others]
-                if None in digests or not self._still_kept(record):
+                if None in digests:
                     return
-                computed = {rel: d for (rel, _), d in zip(files, digests, strict=True) if d is not None}
-                done = with_checksums(record, {**{rel: known[rel] for rel in record.spans if rel in known}, **computed})
+                done = with_checksums(record, {**known, **{rel: d for (rel, _), d in zip(files, digests, strict=True) if d}})
                 with self._lock:
                     if self._still_kept(record):
                         self.store.publish_record(done, again=True)

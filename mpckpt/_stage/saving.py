@@ -371,8 +371,8 @@ class Snapshotter:
             except BaseException as e:  # surfaces through the save's future, not lost
                 if not submitted:  # (nothing uploads this slab: the kept record's checksums are all hashed)
                     _settle(uploaded, {})
-                if not submitted and not self.ledger.holds(record, slab):
-                    self.budget.release(slab)
+                    if not self.ledger.holds(record, slab):
+                        self.budget.release(slab)
                 self.ledger.resolve(record, "failed", e)
                 raise
             finally:
