@@ -133,9 +133,9 @@ def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
 # -- snapshots kept in memory (``keep_in_memory``) -------------------------------------------
 def kept_in_memory(root: str, rank: int = 0) -> bool:
     """Whether a complete snapshot of local ``root`` (and ``rank``) is kept in this node's /dev/shm."""
-    from mpckpt._keep.store import SHM_DIR, base_name
+    from mpckpt._keep.store import base_name, record_names
 
-    return os.path.exists(os.path.join(SHM_DIR, base_name(os.path.abspath(root), rank) + ".record"))
+    return bool(record_names(base_name(os.path.abspath(root), rank)))
 
 
 def remove_kept_in_memory(roots: Iterable[str], ranks: Iterable[int] = (0,)) -> list[str]:

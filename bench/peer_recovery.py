@@ -282,10 +282,12 @@ def peer_copy_extent(node: Any, rank: int) -> int | None:
     """Bytes of the copy of ``rank``'s snapshot published on ``node`` (its files' extent), if any."""
     from mpckpt._keep.record import KeptRecord
 
-    names = [n for n in node.shm_listing() if n.startswith("mpckpt-peer-") and n.endswith(f"-r{rank}.record")]
-    if len(names) != 1:
+    names = [n for n in node.shm_listing() if n.startswith("mpckpt-peer-") and n.endswith(".record")
+             and n.split(".")[0].endswith(f"-r{rank}")]
+    if not names:
         return None
-    record = KeptRecord.from_bytes(node.shm_path(names[0]).read_bytes(), path=names[0])
+    records = [KeptRecord.from_bytes(node.shm_path(n).read_bytes(), path=n) for n in names]
+    record = max(records, key=lambda r: r.step)
     return max((s.offset + s.nbytes for s in record.spans.values()), default=0)
 
 

@@ -233,10 +233,10 @@ def _segment_copy(root: str) -> dict[str, Any]:
     import torch
 
     from mpckpt._keep.record import KeptRecord
-    from mpckpt._keep.store import SHM_DIR, base_name
+    from mpckpt._keep.store import SHM_DIR, base_name, record_names
 
     base = base_name(os.path.abspath(root), 0)
-    with open(os.path.join(SHM_DIR, base + ".record"), "rb") as f:
+    with open(os.path.join(SHM_DIR, record_names(base)[-1]), "rb") as f:
         record = KeptRecord.from_bytes(f.read(), path=f.name)
     spans = sorted((span.offset, span.nbytes) for span in record.spans.values())
     start = spans[0][0]

@@ -1,10 +1,14 @@
 """The files of kept snapshots in /dev/shm: naming, the keeper's lock, publishing, finding, removing.
 
-A snapshot kept for root R and rank r by user U lives under one base name::
+The snapshots kept for root R and rank r by user U live under one base name::
 
-    mpckpt-kept-<U>-<key>-r<r>.lock      held (flock) by the live process keeping for R, r
-    mpckpt-kept-<U>-<key>-r<r>.record    the record (``record``): exists only for a complete snapshot
-    mpckpt-kept-<U>-<key>-r<r>-<32 hex>  its data: a second name (hard link) of the slab holding it
+    mpckpt-kept-<U>-<key>-r<r>.lock            held (flock) by the live process keeping for R, r
+    mpckpt-kept-<U>-<key>-r<r>.<step>.record   the record of step's snapshot (``record``): exists
+                                               only for a complete snapshot
+    mpckpt-kept-<U>-<key>-r<r>-<32 hex>        its data: a second name (hard link) of the slab holding it
+
+A rank of a job holds more than one step at a time (``keeper``: its newest, and the newest step
+every rank holds until a newer one is), each a record and its data; a single process holds one.
 
 ``key`` is the first 16 hex digits of the SHA-256 of R's URL; the record names R in full and is
 checked against it. A copy of another node's rank r held here for it (``_peer``) has the same
@@ -15,11 +19,11 @@ another root ever removes, reads or trusts it. The slab keeps its own name, whic
 uploaders attach to; when its process dies, the reaper unlinks that name and the data stays
 reachable through the kept one.
 
-Publishing a newer snapshot: link its slab under a new data name, write the record to a
-temporary name and rename it over the old one (atomic), then unlink the older data name. A
-crash at any point leaves the old record with its data, or the new one with its data; a data
-name no record lists is removed by the next holder. Only the holder of the lock publishes,
-adopts or removes; readers (the other ranks of a job on this node) only read.
+Publishing a snapshot: link its slab under a new data name, write the record to a temporary
+name and rename it into place (atomic). Dropping one: unlink its record, then its data. A
+crash at any point leaves every record with its data; a data name no record lists is removed by
+the next holder. Only the holder of the lock publishes, adopts or removes; readers (the other
+ranks of a job on this node) only read.
 
 Everything here is opened without following links and used only when it is a regular file of
 this user with mode 0600; anything else is ignored with a warning, and storage is used.
@@ -52,6 +56,7 @@ PEER_PREFIX = "mpckpt-peer-"  # copies of another node's snapshots, held here (`
 _BASE_RE = re.compile(r"mpckpt-(kept|peer)-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
 _IOV_MAX = 512  # pieces per writev (the system allows at least 1,024)
 _DATA_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
+_RECORD_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})(?:\.([0-9]{1,12}))?\.record")
 
 
 def root_key(url: str) -> str:
@@ -60,6 +65,22 @@ def root_key(url: str) -> str:
 
 def base_name(url: str, rank: int, uid: int | None = None, prefix: str = PREFIX) -> str:
     return f"{prefix}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
+
+
+def record_name(base: str, step: int) -> str:
+    """The name of the record of ``step``'s snapshot under ``base``."""
+    return f"{base}.{step}.record"
+
+
+def record_names(base: str) -> list[str]:
+    """The records under ``base`` now in /dev/shm (by step, oldest first; a record of an older
+    mpckpt, named without its step, first)."""
+    found = []
+    for name in _listdir():
+        m = _RECORD_RE.fullmatch(name)
+        if m is not None and m.group(1) == base:
+            found.append((-1 if m.group(2) is None else int(m.group(2)), name))
+    return [name for _, name in sorted(found)]
 
 
 def data_path(name: str) -> str:
@@ -134,12 +155,20 @@ class Found:
                     pass  # a view of it is still alive; the mapping goes with it
 
 
-def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Found | None:
-    """The complete snapshot kept for root ``url`` and ``rank`` on this node (``PEER_PREFIX``: the
-    peer copy of that rank held here), checked; None when there is none, or (with a warning
-    saying why) when it cannot be used."""
+def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> list[Found]:
+    """The complete snapshots kept for root ``url`` and ``rank`` on this node (``PEER_PREFIX``: the
+    peer copies of that rank held here), checked, oldest first; one that cannot be used is left
+    out with a warning saying why (storage is used for it)."""
     base = base_name(url, rank, prefix=prefix)
-    name = base + ".record"
+    out = []
+    for name in record_names(base):
+        found = _read_one(name, url, rank, world_size, base)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _read_one(name: str, url: str, rank: int, world_size: int, base: str) -> Found | None:
     try:
         fd, st = _open_checked(name)
     except FileNotFoundError:
@@ -153,6 +182,8 @@ def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> Fou
         with os.fdopen(os.dup(fd), "rb") as f:
             record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
         why = _mismatch(record, url, rank, world_size, base)
+        if not why and name not in (record_name(base, record.step), base + ".record"):
+            why = f"it holds step {record.step}, not the step its name says"
         if why:
             raise CorruptCheckpointError(f"{_path(name)}: {why}")
         data_fd, data_st = _open_checked(record.data)
@@ -248,45 +279,83 @@ class KeptStore:
         return self._lock_fd is not None
 
     def publish(self, record: KeptRecord, slab_name: str) -> None:
-        """Make ``record`` (its data: the slab ``slab_name``) the kept snapshot; the older one goes."""
+        """Keep ``record`` (its data: the slab ``slab_name``) beside the snapshots already kept."""
         assert self.held
         os.link(_path(slab_name), _path(record.data))
         self.publish_record(record)
 
     def publish_record(self, record: KeptRecord, *, again: bool = False) -> None:
-        """Put ``record`` in place (its data file ``record.data`` is complete); older data goes.
-        A failure removes that data file, unless ``again`` (the record of the data already in
-        place, written once more: a pending one with its checksums), which leaves both as they were."""
+        """Put ``record`` in place (its data file ``record.data`` is complete): a record of the same
+        step is replaced, and the data it named goes. A failure removes ``record.data``, unless
+        ``again`` (the record of the data already in place, written once more: a pending one with
+        its checksums), which leaves both as they were."""
         assert self.held
+        name = record_name(self.base, record.step)
         try:
-            tmp = f"{self.base}.record.tmp-{secrets.token_hex(8)}"
+            tmp = f"{name}.tmp-{secrets.token_hex(8)}"
             fd = os.open(_path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 _write_all(fd, record.to_pieces())
             finally:
                 os.close(fd)
-            os.rename(_path(tmp), _path(self.base + ".record"))  # INVARIANT: after the last byte
+            replaced = self._data_of(name)
+            os.rename(_path(tmp), _path(name))  # INVARIANT: after the last byte
         except BaseException:
             if not again:
                 _unlink(record.data)
             raise
-        self.remove_data(keep=record.data)
+        if replaced is not None and replaced != record.data:
+            _unlink(replaced)
+
+    def _data_of(self, name: str) -> str | None:
+        """The data name the record ``name`` lists (None: no such record, or unreadable)."""
+        try:
+            fd, _ = _open_checked(name)
+        except OSError:
+            return None
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name)).data
+        except (OSError, CorruptCheckpointError):
+            return None
+        finally:
+            os.close(fd)
+
+    def drop(self, record: KeptRecord) -> None:
+        """Remove the kept snapshot ``record``: its record first (it is then no longer complete),
+        then its data."""
+        if self.held:
+            _unlink(record_name(self.base, record.step))
+            _unlink(record.data)
 
     def new_data_name(self) -> str:
         return f"{self.base}-{secrets.token_hex(16)}"
 
-    def remove_data(self, keep: str | None = None) -> None:
-        """Unlink every data name of this root and rank but ``keep`` (and stray temporary records)."""
+    def remove_data(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """Unlink every data name of this root and rank but those in ``keep`` (and stray temporary
+        records)."""
         for name in _listdir():
             m = _DATA_RE.fullmatch(name)
-            if (m is not None and m.group(1) == self.base and name != keep) or \
-                    name.startswith(self.base + ".record.tmp-"):
+            if (m is not None and m.group(1) == self.base and name not in keep) or \
+                    (name.startswith(self.base + ".") and ".record.tmp-" in name):
                 _unlink(name)
 
+    def tidy(self, found: list[Found]) -> None:
+        """After reading them at open (``found``: what checked): remove every other record, stray
+        temporary records and the data no found record lists."""
+        if not self.held:
+            return
+        good = {f.path for f in found}
+        for name in record_names(self.base):
+            if _path(name) not in good:
+                _unlink(name)
+        self.remove_data(keep={f.record.data for f in found})
+
     def discard(self) -> None:
-        """Remove the kept snapshot: the record first (it is then no longer complete), then its data."""
+        """Remove every kept snapshot: the records first (they are then no longer complete), then the data."""
         if self.held:
-            _unlink(self.base + ".record")
+            for name in record_names(self.base):
+                _unlink(name)
             self.remove_data()
 
     def release(self, *, leave: bool) -> None:
@@ -334,12 +403,12 @@ def _listdir() -> list[str]:
 def peer_ranks(url: str) -> list[int]:
     """The ranks of root ``url`` with a copy held on this node for this user (``PEER_PREFIX``)."""
     uid, key = str(os.geteuid()), root_key(url)
-    out = []
+    out = set()
     for name in _listdir():
-        m = _BASE_RE.fullmatch(name.removesuffix(".record"))
-        if name.endswith(".record") and m is not None and m.group(1) == "peer" and m.group(2) == uid \
-                and m.group(3) == key:
-            out.append(int(m.group(4)))
+        r = _RECORD_RE.fullmatch(name)
+        m = _BASE_RE.fullmatch(r.group(1)) if r is not None else None
+        if m is not None and m.group(1) == "peer" and m.group(2) == uid and m.group(3) == key:
+            out.add(int(m.group(4)))
     return sorted(out)
 
 
@@ -350,10 +419,11 @@ class Listed:
     base: str
     root: str | None   # None when its record is missing or unreadable
     rank: int
-    step: int | None
+    step: int | None   # the newest step kept (``steps``: every one)
     nbytes: int        # of its files in /dev/shm
     held: bool         # a live process keeps it (its lock is held)
     peer: bool = False  # a copy of another node's rank held here (``mpckpt-peer-``)
+    steps: tuple[int, ...] = ()
 
 
 def list_kept() -> list[Listed]:
@@ -372,17 +442,21 @@ def list_kept() -> list[Listed]:
             bases[m.group(0)] = bases.get(m.group(0), 0) + st.st_blocks * 512
     out = []
     for base, nbytes in sorted(bases.items()):
-        root = step = None
-        try:
-            fd, _ = _open_checked(base + ".record")
-            with os.fdopen(fd, "rb") as f:
-                record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(base + ".record"))
-            root, step = record.root, record.step
-        except (OSError, CorruptCheckpointError):
-            pass
+        root = None
+        steps = []
+        for name in record_names(base):
+            try:
+                fd, _ = _open_checked(name)
+                with os.fdopen(fd, "rb") as f:
+                    record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
+                root = record.root
+                steps.append(record.step)
+            except (OSError, CorruptCheckpointError):
+                pass
         m = _BASE_RE.fullmatch(base)
         assert m is not None
-        out.append(Listed(base, root, int(m.group(4)), step, nbytes, _lock_held(base), m.group(1) == "peer"))
+        out.append(Listed(base, root, int(m.group(4)), max(steps, default=None), nbytes, _lock_held(base),
+                          m.group(1) == "peer", tuple(sorted(steps))))
     return out
 
 
@@ -419,7 +493,8 @@ def remove_kept(base: str) -> bool:
             return False
         for name in _listdir():
             d = _DATA_RE.fullmatch(name)
-            if name.startswith(base + ".record") or (d is not None and d.group(1) == base):
+            r = _RECORD_RE.fullmatch(name.split(".tmp-")[0])
+            if (r is not None and r.group(1) == base) or (d is not None and d.group(1) == base):
                 _unlink(name)
         _unlink(lock)
         return True

@@ -1,8 +1,8 @@
 """What the ranks of a job hold in memory, and restoring from it: the ``memory`` and ``peer`` sources.
 
 At a restore (a collective moment) every rank tells the others, in one all_gather, its node and
-the snapshots it holds: its own kept one (``_keep``) and the copies of other ranks' snapshots
-it holds (``replicate``; found at open in this node's /dev/shm, left by the previous process of
+the snapshots it holds: its own kept ones (``_keep``: the newest, and the newest step every rank
+held) and the copies of other ranks' snapshots it holds (``replicate``; found at open in this node's /dev/shm, left by the previous process of
 this node). From that every rank computes the same ``Plan``: for each step, whether every
 rank's snapshot of it is held somewhere (the same save: the same sequence number and files),
 and for each reader which holder to read each rank's files from (itself; else a rank of its
@@ -131,15 +131,16 @@ class JobMemory:
         self.keeper, self.group, self.node = keeper, group, node
         self.url, self.world_size = keeper.url, group.world_size
         self._link = link  # a Link, or a callable making one (a collective) when a restore needs it
-        self.copies: dict[int, tuple[KeptStore, Found]] = {}  # copies found at open, by whose they are
+        # copies found at open, by whose they are (each rank's oldest first)
+        self.copies: dict[int, tuple[KeptStore, list[Found]]] = {}
         if keeper.store.held:
             for rank in peer_ranks(self.url):
                 store = KeptStore(self.url, rank, PEER_PREFIX)
                 if not store.hold(quiet=True):
                     continue
                 found = read_kept(self.url, rank, self.world_size, PEER_PREFIX)
-                if found is None:
-                    store.discard()
+                store.tidy(found)
+                if not found:
                     store.release(leave=False)
                     continue
                 self.copies[rank] = (store, found)
@@ -155,9 +156,8 @@ class JobMemory:
         return self._link
 
     def _mine(self) -> list[tuple[Held, Found]]:
-        found = self.keeper.found
-        out = [(Held.of(found.record, own=True), found)] if found is not None else []
-        return out + [(Held.of(f.record, own=False), f) for _, f in self.copies.values()]
+        out = [(Held.of(f.record, own=True), f) for f in self.keeper.found]
+        return out + [(Held.of(f.record, own=False), f) for _, found in self.copies.values() for f in found]
 
     def _held_at(self, step: int) -> dict[tuple[int, bool], Found]:
         """What this rank holds of ``step``: (whose, its own or a copy) -> the snapshot."""
@@ -232,10 +232,11 @@ class JobMemory:
             if holder == me:
                 local.append(held[(q, h.own)])
             elif plan.nodes[holder] == plan.nodes[me]:  # in this node's /dev/shm
-                found = read_kept(self.url, q, self.world_size, PREFIX if h.own else PEER_PREFIX)
+                there = read_kept(self.url, q, self.world_size, PREFIX if h.own else PEER_PREFIX)
+                self._opened.extend(there)
+                found = next((f for f in there if f.record.step == step), None)
                 if found is None:
                     return None
-                self._opened.append(found)
                 local.append(found)
             else:
                 remote.update({rel: (holder, table[(q, rel)]) for rel, _, _ in h.files})
@@ -259,16 +260,18 @@ class JobMemory:
             found.close()
         self._opened = []
 
-    def settle(self, restored: int | None) -> dict[int, tuple[KeptStore, int]]:
-        """After the restore: the copies of ``restored`` stay held (returned: store, bytes); others go."""
+    def settle(self, restored: int | None) -> dict[int, tuple[KeptStore, KeptRecord]]:
+        """After the restore: the copies of ``restored`` stay held (returned: store, record); others go."""
         self.finish()
         kept = {}
         for rank, (store, found) in self.copies.items():
-            size = found.record.data_size
-            found.close()
-            if found.record.step == restored:
-                kept[rank] = (store, size)
-            else:
+            for f in found:
+                f.close()
+                if f.record.step == restored:
+                    kept[rank] = (store, f.record)
+                else:
+                    store.drop(f.record)
+            if rank not in kept:
                 store.discard()
                 store.release(leave=False)
         self.copies = {}
@@ -277,7 +280,8 @@ class JobMemory:
     def close(self, *, leave: bool) -> None:
         self.finish()
         for store, found in self.copies.values():
-            found.close()
+            for f in found:
+                f.close()
             if not leave:
                 store.discard()
             store.release(leave=leave)

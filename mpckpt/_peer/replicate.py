@@ -1,13 +1,15 @@
-"""Copies of this rank's kept snapshot in other nodes' memory, and the copies it holds for others.
+"""Copies of this rank's kept snapshots in other nodes' memory, and the copies it holds for others.
 
-Sending (one ``mpckpt-peer-send`` thread): once a snapshot is kept (``offer``), its record
-and bytes go to each target rank (``node.Placement``), one after the other. Per target, over
-the link (``link``): the offer (step, sizes) through the store; the receiver's answer
-(accepted, or refused: its budget is full); then the record and the slab's bytes over gloo, in
-pieces, each preceded by a flag that says whether the snapshot is still the newest; the
-receiver's verdict through the store. A newer snapshot kept meanwhile supersedes the one being
-sent: its transfer stops at the next piece (the slab is about to be written again) and the
-newer one goes next. The offer's future resolves with the number of copies in place.
+Sending (one ``mpckpt-peer-send`` thread): every kept snapshot is offered (``offer``); the job
+copies in rounds (``rounds``): rank 0 opens round k with its newest step once every rank is done
+with round k-1, and every rank sends its snapshot of that step to each target rank
+(``node.Placement``), one after the other. Per target, over the link (``link``): the offer
+(step, sizes) through the store; the receiver's answer (accepted, or refused: its budget is
+full); then the record and the slab's bytes over gloo, in pieces, each preceded by a flag that
+says whether the snapshot is still held; the receiver's verdict through the store. A newer
+snapshot never overtakes the copy in flight: the keeper holds the snapshot being sent
+(``pinned``), and the newest step copied for every rank, until a newer one is. An offer's future
+resolves with the number of copies in place (0 for a snapshot no round copied).
 
 Pacing: a copy sent at full speed takes a core (and on a real cluster the network) from
 training in a burst. The sender spreads each copy over half the time between the last
@@ -21,15 +23,16 @@ Receiving (one ``mpckpt-peer-recv`` thread per source rank): each copy is writte
 file of this node's /dev/shm (``mpckpt-peer-`` names, ``_keep.store``), counted against this
 rank's memory budget (``Arena.hold_external``; no room: refused, the sender warns, nothing is
 allocated), verified (the record's own checksum, whose snapshot it is, the xxh3-64 of every
-file) and only then published (its record renamed into place). The previous copy of that
-rank goes once the new one is in place, or before it when the budget cannot hold both (a copy
-of an older step is of no use once its sender kept a newer one: no other rank keeps that
-step). The budget always leaves room for the rank's own two slabs first (``hold_external``).
-Every piece of data and every answer has a bounded wait (``link.PROGRESS_S``): a lost
-machine closes no connection, so a peer that makes no progress counts as gone. A copy that does not verify, or whose sender died or
-stopped mid-way, is removed and never published.
+file) and only then published (its record renamed into place). A source's copies are held as
+its own snapshots are (``_keep.agreement.to_hold``): the newest, and the newest step copied for
+every rank, until a newer one is; older ones go, or before the new one when the budget cannot
+hold both (with a warning). The budget always leaves room for the rank's own two slabs first
+(``hold_external``). Every piece of data and every answer has a bounded wait
+(``link.PROGRESS_S``): a lost machine closes no connection, so a peer that makes no progress
+counts as gone. A copy that does not verify, or whose sender died or stopped mid-way, is
+removed and never published.
 
-Nothing here runs on the training thread but ``offer`` (a queue put). Copies outlive this
+Nothing here runs on the training thread but ``offer`` (a dict put). Copies outlive this
 process (a restart on this node restores from them, ``inventory``); ``close(leave=False)``
 (the run ended) removes them.
 """
@@ -47,10 +50,12 @@ import threading
 import time
 from typing import Any
 
+from mpckpt._keep.agreement import to_hold
 from mpckpt._keep.digest import hash_span
 from mpckpt._keep.record import KeptRecord
 from mpckpt._keep.store import PEER_PREFIX, KeptStore, data_path
 from mpckpt._peer.link import CHUNK_BYTES, PROGRESS_S, Link, as_bytes, ints
+from mpckpt._peer.rounds import Rounds
 from mpckpt._stage.arena import Arena, Slab
 
 log = logging.getLogger("mpckpt")
@@ -59,6 +64,7 @@ _IDLE = datetime.timedelta(hours=24)  # a receiver's wait for the next offer (cl
 _ANSWER_S = 30.0  # a live receiver answers an offer at once: longer means it is gone
 _BYE = json.dumps({"bye": True})
 _SPREAD_MAX_S = 10.0  # a copy is spread over at most this long: the time a node loss costs that step
+_POLL_S = 1.0  # the sender's waits on the store, between looks at whether it is closing
 
 
 @dataclasses.dataclass
@@ -80,19 +86,26 @@ def _key(src: int, dst: int, n: int, what: str) -> str:
 
 
 class Replicator:
-    """This rank's side of the replication: sending to ``targets``, receiving from ``sources``."""
+    """This rank's side of the replication: sending to ``targets``, receiving from ``sources``.
+
+    ``holds(record)``: whether the keeper still holds that kept snapshot (its slab unwritten)."""
 
     def __init__(self, link: Link, *, url: str, arena: Arena, targets: list[int], sources: list[int],
-                 held: dict[int, KeptStore], held_bytes: dict[int, int], warn: Any) -> None:
+                 held: dict[int, KeptStore], held_bytes: dict[int, int], warn: Any,
+                 holds: Any = None) -> None:
         self.link, self.url, self.arena = link, url, arena
         self.rank = link.rank
         self.targets, self.sources = targets, sources
-        # source rank -> the store of its copy here (locks taken at open or at its first copy), and the
-        # bytes of it counted in the budget: the tier's, which releases them at close
+        # source rank -> the store of its copies here (locks taken at open or at its first copy), and the
+        # bytes of them counted in the budget: the tier's, which releases them at close
         self.held, self.held_bytes = held, held_bytes
+        self.copies: dict[int, dict[int, KeptRecord]] = {}  # source rank -> step -> the copy's record
         self.warn = warn
+        self.holds = holds if holds is not None else (lambda record: True)
+        self.rounds = Rounds(link.store(), rank=self.rank, world_size=link.world_size)
+        self.round = 0  # the round this rank's sender waits for or sends
         self._cond = threading.Condition()
-        self._pending: _Offered | None = None
+        self._offered: dict[int, _Offered] = {}  # step -> a kept snapshot no round has copied yet
         self._sending: _Offered | None = None
         self._stopping = False
         self._sent = dict.fromkeys(targets, 0)
@@ -112,7 +125,8 @@ class Replicator:
 
     # -- sending ---------------------------------------------------------------------------------
     def offer(self, record: KeptRecord, slab: Slab) -> concurrent.futures.Future[int]:
-        """Copy the snapshot kept in ``slab`` to the targets; the future: copies in place."""
+        """Copy the snapshot kept in ``slab`` to the targets when a round copies its step; the
+        future: copies in place (0 when no round copied it)."""
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         if not self.targets:
             future.set_result(0)
@@ -128,11 +142,20 @@ class Replicator:
             if self._stopping:
                 future.set_result(0)
                 return future
-            if self._pending is not None:  # never started: the newer snapshot replaces it
-                self._pending.future.set_result(0)
-            self._pending = item
+            for step, old in list(self._offered.items()):  # let go (never copied) what the keeper let go
+                if not self.holds(old.record):
+                    del self._offered[step]
+                    old.future.set_result(0)
+            self._offered[record.step] = item
             self._cond.notify_all()
         return future
+
+    def pinned(self, held: list[int]) -> set[int]:
+        """Of the steps this rank keeps (``held``), those its copies need held (``rounds.pinned``);
+        read from the store now (the keeper's agreement thread, or a save that needs memory)."""
+        if not self.targets:
+            return set()
+        return self.rounds.pinned(self.round, held)
 
     def _hurry(self, item: _Offered) -> None:
         with self._cond:
@@ -140,12 +163,12 @@ class Replicator:
             self._cond.notify_all()
 
     def _pace(self, item: _Offered, started: float, sent: int) -> None:
-        """Sleep until ``sent`` bytes are due (spread over ``item.spread_s``), unless hurried or overtaken."""
+        """Sleep until ``sent`` bytes are due (spread over ``item.spread_s``), unless hurried."""
         if item.spread_s <= 0 or not item.extent:
             return
         due = started + item.spread_s * sent / item.extent
         with self._cond:
-            while not item.hurry and self._pending is None and not self._stopping:
+            while not item.hurry and not self._stopping:
                 left = due - time.monotonic()
                 if left <= 0:
                     return
@@ -153,30 +176,77 @@ class Replicator:
 
     def _superseded(self, item: _Offered) -> bool:
         with self._cond:
-            return self._pending is not None or self._stopping or not item.slab.kept
+            return self._stopping or not self.holds(item.record)
+
+    def _next_round(self) -> int | None:
+        """The step of round ``self.round``: rank 0 opens it (once every rank is done with the one
+        before, with its newest step newer than that round's); the others wait for it. None: closing."""
+        k, rounds = self.round, self.rounds
+        if not rounds.leads:
+            while not self._stopping:
+                step = rounds.opened(k, _POLL_S)
+                if step is not None:
+                    return step
+            return None
+        while not self._stopping and not rounds.ended(k - 1, _POLL_S):
+            pass
+        last = rounds.known.get(k - 1, -1)
+        with self._cond:
+            while not self._stopping and not any(s > last for s in self._offered):
+                self._cond.wait(_POLL_S)
+            if self._stopping:
+                return None
+            step = max(self._offered)
+        rounds.open(k, step)
+        return step
+
+    def _item_for(self, step: int) -> _Offered | None:
+        """This rank's snapshot of ``step`` (waiting for its save when this rank is behind); None
+        when it does not hold it (it saved a newer step without it, or let it go)."""
+        with self._cond:
+            while not self._stopping:
+                item = self._offered.get(step)
+                if item is not None:
+                    return item if self.holds(item.record) else None
+                if any(s > step for s in self._offered):
+                    return None
+                self._cond.wait(_POLL_S)
+        return None
 
     def _send_loop(self) -> None:
         store = self.link.store()
         while True:
-            with self._cond:
-                while self._pending is None and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and self._pending is None:
-                    return
-                item, self._pending = self._pending, None
-                assert item is not None
-                self._sending = item
+            step = self._next_round()
+            if step is None:
+                return
+            item = self._item_for(step)
+            if item is None and self._stopping:
+                return
             copies = 0
-            for dst in self.targets:
-                try:
-                    copies += self._send_to(store, dst, item)
-                except Exception as e:  # a dead peer, a broken link: that copy is missing, said once
-                    self.warn(f"send-{dst}", f"the copy of step {item.record.step} to rank {dst} failed ({e}); "
-                              "until a copy gets there, losing this node means restoring from storage")
-            with self._cond:
-                self._sending = None
-                self._cond.notify_all()
-            item.future.set_result(copies)
+            if item is not None:
+                with self._cond:
+                    self._sending = item
+                self.rounds.sending = step
+                for dst in self.targets:
+                    try:
+                        copies += self._send_to(store, dst, item)
+                    except Exception as e:  # a dead peer, a broken link: that copy is missing, said once
+                        self.warn(f"send-{dst}", f"the copy of step {step} to rank {dst} failed ({e}); until a "
+                                  "copy gets there, losing this node means restoring from an older step or storage")
+            try:
+                self.rounds.finish(self.round, step, copied=item is not None and copies == len(self.targets))
+            except Exception as e:  # the job's store is gone: so is the job
+                log.debug("mpckpt: ending round %d of the copies: %s", self.round, e)
+                return
+            finally:
+                self.rounds.sending = None
+                with self._cond:
+                    self._sending = None
+                    for s in [s for s in self._offered if s <= step]:  # copied now, or never will be
+                        done = self._offered.pop(s)
+                        done.future.set_result(copies if done is item else 0)
+                    self._cond.notify_all()
+            self.round += 1
 
     def _send_to(self, store: Any, dst: int, item: _Offered) -> int:
         record, n = item.record, self._sent[dst]
@@ -207,10 +277,9 @@ class Replicator:
             return 1
         if not aborted and not self._superseded(item):
             self.warn(f"bad-{dst}", f"rank {dst} refused the copy of step {record.step}: {verdict}")
-        else:
-            self.warn("superseded", f"the copy of step {record.step} to another node was overtaken by a newer "
-                      "snapshot before it got there (the newest is copied next): snapshots are kept faster than they "
-                      "can be copied. Save less often, or wait for a save's future before the next save")
+        elif not self._stopping:
+            self.warn("taken", f"the copy of step {record.step} to another node stopped: the memory budget took "
+                      "its snapshot for a save (the next round copies a newer one). Raise memory_budget")
         return 0
 
     # -- receiving -------------------------------------------------------------------------------
@@ -269,17 +338,22 @@ class Replicator:
                 for start in range(0, size, CHUNK_BYTES):
                     self.link.recv(flag, src, _TAG)
                     if int(flag[0]) == 0:
-                        return "stopped: a newer snapshot overtook it"
+                        return "stopped: its sender no longer holds the snapshot"
                     self.link.recv(as_bytes(data)[start:min(start + CHUNK_BYTES, size)], src, _TAG)
                 record = KeptRecord.from_bytes(bytes(body), path=f"the copy of rank {src}'s snapshot")
                 why = _wrong(record, self.url, src, size, data)
                 if why:
                     return f"does not verify: {why}"
-            keeper.publish_record(dataclasses.replace(record, data=name, data_size=size))
+            record = dataclasses.replace(record, data=name, data_size=size)
+            replaced = self.copies.get(src, {}).get(record.step)
+            keeper.publish_record(record)  # (a copy of the same step it replaces goes)
             published = True
-            old = self.held_bytes.get(src, 0)
-            self.held_bytes[src] = size
-            self.arena.release_external(old)
+            if replaced is not None:
+                self.held_bytes[src] = max(0, self.held_bytes.get(src, 0) - replaced.data_size)
+                self.arena.release_external(replaced.data_size)
+            self.copies.setdefault(src, {})[record.step] = record
+            self.held_bytes[src] = self.held_bytes.get(src, 0) + size
+            self._tidy(src)
             return "ok"
         finally:
             os.close(fd)
@@ -290,6 +364,30 @@ class Replicator:
                 except FileNotFoundError:
                     pass
 
+    def adopt(self, src: int, record: KeptRecord) -> None:
+        """A copy of ``src``'s found at open and restored (``tier.settle``): held from now on."""
+        self.copies[src] = {record.step: record}
+
+    def _drop(self, src: int, steps: set[int]) -> None:
+        """Remove the copies of ``src``'s ``steps`` held here (record first, then data)."""
+        mine = self.copies.get(src, {})
+        for step in steps & set(mine):
+            record = mine.pop(step)
+            self.held[src].drop(record)
+            self.held_bytes[src] = max(0, self.held_bytes.get(src, 0) - record.data_size)
+            self.arena.release_external(record.data_size)
+
+    def _tidy(self, src: int) -> None:
+        """Let the copies of ``src`` go that no longer need holding: the newest stays, and the
+        newest step copied for every rank (``rounds``)."""
+        steps = set(self.copies.get(src, {}))
+        try:
+            copied = self.rounds.refresh(steps)
+        except Exception as e:  # the store is gone: hold what is here (the budget bounds it)
+            log.debug("mpckpt: reading which steps are copied everywhere: %s", e)
+            return
+        self._drop(src, steps - to_hold(steps, copied))
+
     def _room_for(self, src: int, size: int) -> str:
         """Why a copy of ``size`` bytes from ``src`` cannot be held (its bytes counted if it can)."""
         if src not in self.held:
@@ -299,27 +397,34 @@ class Replicator:
             self.held[src] = store
         if self.arena.hold_external(size):
             return ""
-        old = self.held_bytes.pop(src, 0)
-        if old:  # the older copy gives way to the newer one
-            self.held[src].discard()
-            self.arena.release_external(old)
+        older = set(self.copies.get(src, {}))
+        if older:  # older copies give way to the newer one: the newest held first
+            newest = max(older)
+            self._drop(src, older - {newest})
+            if self.arena.hold_external(size):
+                return ""
+            self._drop(src, {newest})
+            self.warn("budget-copies", f"rank {self.rank} has no room in its memory budget for a copy of rank "
+                      f"{src}'s snapshot beside the one it held; until this copy is in place, losing that rank's "
+                      "node restores from storage. Raise memory_budget")
             if self.arena.hold_external(size):
                 return ""
         budget = self.arena.budget_bytes
         self.warn("budget", f"rank {self.rank} has no room in its memory budget ({budget >> 20} MiB) for a copy of "
-                  f"{size >> 20} MiB of rank {src}'s snapshot; raise memory_budget to about (2 + peer_copies) times "
-                  "the state of a rank")
+                  f"{size >> 20} MiB of rank {src}'s snapshot; raise memory_budget to about (3 + 2 x peer_copies) "
+                  "times the state of a rank")
         return f"rank {self.rank}'s memory budget ({budget >> 20} MiB) has no room for {size >> 20} MiB"
 
     # -- waiting, closing ------------------------------------------------------------------------
     def wait(self, timeout_s: float) -> bool:
-        """Until nothing is being sent or waits to be (bounded, at full speed); whether that was reached."""
+        """Until every snapshot offered is copied, or passed over by a round of a newer step
+        (bounded, at full speed); whether that was reached."""
         with self._cond:
-            for item in (self._pending, self._sending):
+            for item in [*self._offered.values(), self._sending]:
                 if item is not None:
                     item.hurry = True
             self._cond.notify_all()
-            return self._cond.wait_for(lambda: self._pending is None and self._sending is None, timeout_s)
+            return self._cond.wait_for(lambda: not self._offered and self._sending is None, timeout_s)
 
     def close(self) -> None:
         """Stop the threads (bounded); a copy being received is finished first."""
@@ -327,9 +432,10 @@ class Replicator:
             self._stopping = True
             if self._sending is not None:
                 self._sending.hurry = True
-            if self._pending is not None:
-                self._pending.future.set_result(0)
-                self._pending = None
+            for step, item in list(self._offered.items()):
+                if item is not self._sending:
+                    del self._offered[step]
+                    item.future.set_result(0)
             self._cond.notify_all()
         try:
             store = self.link.store()

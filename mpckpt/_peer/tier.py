@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from mpckpt._dist.group import RankGroup
+from mpckpt._keep.agreement import JobAgreement
 from mpckpt._keep.keeper import Keeper
 from mpckpt._keep.store import KeptStore
 from mpckpt._peer.inventory import JobMemory
@@ -38,6 +39,9 @@ class JobTier:
         if any(c != every[0][1] for _, c in every):
             raise ConfigError(f"peer_copies differs between ranks ({sorted({c for _, c in every})}); give every rank "
                               "the same (MPCKPT_PEER_COPIES)")
+        # a kept snapshot is let go once a newer step is kept by every rank (``_keep.agreement``)
+        keeper.join(JobAgreement(group.scoped(f"mpckpt/{token}/keep/"), rank=group.rank,
+                                 world_size=group.world_size))
         self._make_link = lambda: Link(group, token, timeout_s=timeout_s)
         link: Any = self._make_link() if copies else self._make_link
         self.memory = JobMemory(keeper, group, self.node, link=link)
@@ -53,8 +57,10 @@ class JobTier:
                             f"{NODE_ID_VARIABLE}, else host name, boot id and /dev/shm")
             self.replicator = Replicator(self.memory.link, url=keeper.url, arena=arena,
                                          targets=placement.targets(group.rank), sources=placement.sources(group.rank),
-                                         held=self.held, held_bytes=self.sizes, warn=keeper.warn_once)
+                                         held=self.held, held_bytes=self.sizes, warn=keeper.warn_once,
+                                         holds=keeper.holds)
             keeper.replicate = self.replicator.offer
+            keeper.pinned = self.replicator.pinned
 
     # -- restoring -------------------------------------------------------------------------------
     def in_memory(self) -> dict[int, Manifest]:
@@ -74,9 +80,12 @@ class JobTier:
                 self.held.pop(rank)
                 self.arena.release_external(self.sizes.pop(rank, 0))
             elif rank not in self.sizes:  # found at open: counted in this rank's budget from now on
-                store, size = kept[rank]
+                store, record = kept[rank]
+                size = record.data_size
                 if self.arena.hold_external(size):
                     self.sizes[rank] = size
+                    if self.replicator is not None:
+                        self.replicator.adopt(rank, record)
                 else:
                     log.warning("mpckpt: the copy of rank %d's snapshot does not fit this rank's memory budget "
                                 "after the restore; it is removed (raise memory_budget)", rank)
@@ -90,7 +99,7 @@ class JobTier:
             log.warning("mpckpt: copies to other nodes still in flight after %.0f s", timeout_s)
 
     def close(self, *, leave: bool) -> None:
-        self.keeper.replicate = None
+        self.keeper.replicate = self.keeper.pinned = None
         self.memory.close(leave=leave)
         if self.replicator is not None:
             self.replicator.close()

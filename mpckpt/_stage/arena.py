@@ -56,7 +56,7 @@ class Slab:
         self.tensor = torch.frombuffer(segment.mmap, dtype=torch.uint8)
         self.views: dict[Any, list[torch.Tensor]] = {}
         self.in_use = False
-        self.kept = False  # holds the newest complete snapshot kept in memory (``_keep``): not free
+        self.kept = False  # holds a complete snapshot kept in memory (``_keep``): not free
         self.pinned = False  # registered with CUDA (``pin``): device-to-host copies into it run at full speed
         self._pin_refused = False
         self.sparse = False  # pages not allocated yet: never written through the map (``written``)
@@ -90,9 +90,10 @@ class Arena:
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.closed = False
-        # called (holding this arena's lock) when a save needs a kept slab's memory: the keeper
+        # called (holding this arena's lock) when a save needs a kept slab's memory, with the kept
+        # slabs no upload holds; returns those given up (their records gone): the keeper
         # removes its record before the slab is written again
-        self.reclaim: Callable[[Slab], None] | None = None
+        self.reclaim: Callable[[list[Slab]], list[Slab]] | None = None
         self._spares: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self._spare_maker = threading.Thread(target=self._serve_spares, name="mpckpt-spare-slab", daemon=True)
         self._spare_maker.start()
@@ -147,11 +148,14 @@ class Arena:
                     break
                 self._drop(idle)
             if self.allocated_bytes + size > self.budget_bytes:
-                kept = next((s for s in self._slabs if s.kept and not s.in_use), None)
-                if kept is None or self._creating or self.reclaim is None:
+                kept = [s for s in self._slabs if s.kept and not s.in_use]
+                if not kept or self._creating or self.reclaim is None:
                     return None
-                self.reclaim(kept)  # nothing else is free: the kept snapshot gives way to the save
-                kept.kept = False
+                given = self.reclaim(kept)  # nothing else is free: a kept snapshot gives way to the save
+                for slab in given:
+                    slab.kept = False
+                if not any(s in kept for s in given):
+                    return None
                 return self._take(nbytes, touch=touch)
             slab = self._create(size, touch=touch)
         slab.in_use = True

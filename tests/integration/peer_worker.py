@@ -9,8 +9,9 @@ FSDP2 shards, DDP's full tensors, its torch generator state and its blob) is wha
 
 ``train``    trains ``--steps`` steps and saves each: ``async`` (``--overlap``: overlapped), or
              ``mode="memory"`` from step ``--memory-from`` on; waits on each save's future and then
-             ``ckpt.wait()`` (the copies to the other node are then in place) and dumps its local state
-             after each save (``saved-<step>-r<rank>.pt``). Then writes ``train-r<rank>.json`` (every save's
+             ``ckpt.wait()`` (the copies to the other node are then in place; ``--no-wait``: goes on at
+             once, as a training loop does) and dumps its local state after each save
+             (``saved-<step>-r<rank>.pt``). Then writes ``train-r<rank>.json`` (every save's
              stats) and waits, never closing the checkpointer: the test loses a node and kills the job,
              as a crash would (what is kept in memory stays there).
 ``restore``  a fresh model (other initial weights), an optimizer without state, other generators and a
@@ -119,6 +120,8 @@ class Job:
 
     def save(self, step: int, mode: str) -> dict[str, Any]:
         future = self.ckpt.save(step, self.state, mode=mode)
+        if self.args.no_wait:  # as a training loop does: on at once, the copies trail behind
+            return {"step": step, "mode": mode}
         future.result(timeout=120)
         self.ckpt.wait(120)  # an async save's future resolves at its commit: its copies are waited for here
         return {"step": step, "mode": mode, "status": future.stats.status, "peer_copies": future.stats.peer_copies}
@@ -196,6 +199,7 @@ def main() -> None:
     parser.add_argument("--memory-from", type=int)
     parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--copies", type=int, default=1)
+    parser.add_argument("--no-wait", action="store_true")
     parser.add_argument("--blob-mb", type=float, default=0)
     parser.add_argument("--blob-mb-rank", action="append", default=[])
     parser.add_argument("--budget", default="256MiB")

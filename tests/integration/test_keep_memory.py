@@ -158,7 +158,7 @@ def test_a_damaged_kept_snapshot_falls_back_to_storage(tmp_path, damage, caplog)
     elif damage == "mode":
         os.chmod(path, 0o644)
     else:
-        record = os.path.join(store.SHM_DIR, store.base_name(str(root), 0) + ".record")
+        record = os.path.join(store.SHM_DIR, store.record_names(store.base_name(str(root), 0))[-1])
         with open(record, "r+b") as f:
             f.seek(40)
             f.write(b"#")
@@ -219,12 +219,16 @@ def test_another_roots_kept_snapshot_is_never_read_reaped_or_trusted(tmp_path, c
     left = kept_files(str(a))
     _crash(b, 2)  # b's own snapshot, then its record replaced by a's (named as b's)
     base_a, base_b = store.base_name(str(a), 0), store.base_name(str(b), 0)
-    os.replace(os.path.join(store.SHM_DIR, base_a + ".record"), os.path.join(store.SHM_DIR, base_b + ".record"))
+    [record_a] = store.record_names(base_a)
+    for name in store.record_names(base_b):
+        os.unlink(os.path.join(store.SHM_DIR, name))
+    os.replace(os.path.join(store.SHM_DIR, record_a),
+               os.path.join(store.SHM_DIR, record_a.replace(base_a, base_b)))
     ckpt, _, step = _restart(b)
     with ckpt:
         assert step == 1 and ckpt.last_restore.source == "storage"
     assert f"a snapshot of {str(a)!r}" in caplog.text
-    assert set(left) - {base_a + ".record"} <= set(os.listdir(store.SHM_DIR)), "a's files were removed by b"
+    assert set(left) - {record_a} <= set(os.listdir(store.SHM_DIR)), "a's files were removed by b"
 
 
 def test_keep_in_memory_off_keeps_nothing_and_close_releases_what_it_kept(tmp_path):
@@ -321,8 +325,7 @@ def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strid
         record = ckpt._rt.keeper.kept[1]
         manifest = ckpt._rt.ledger.committed()[1]
         assert record.step == 1 and record.file_entries() == manifest.files
-        found = store.read_kept(str(tmp_path / "r"), 0, 1)  # what a restart would find: the same
-        assert found is not None
+        [found] = store.read_kept(str(tmp_path / "r"), 0, 1)  # what a restart would find: the same
         try:
             assert not found.record.pending and found.record.file_entries() == manifest.files
         finally:
@@ -369,7 +372,7 @@ def test_a_record_published_before_its_checksums_is_completed_and_restored_from_
                                                      for rel, span in record.spans.items()})
         keeper.store.publish_record(pending, again=True)  # as the save left it, before ``_complete_later``
         ckpt.close(leave_in_memory=True)
-    on_shm = os.path.join(store.SHM_DIR, store.base_name(str(root), 0) + ".record")
+    on_shm = os.path.join(store.SHM_DIR, store.record_names(store.base_name(str(root), 0))[-1])
     with open(on_shm, "rb") as f:
         assert b'"xxh3_64":null' in f.read()
     caplog.set_level("INFO", logger="mpckpt")
@@ -393,8 +396,7 @@ def test_mpckpt_gc_names_the_copies_held_for_other_nodes_and_removes_them_like_k
     root = tmp_path / "root"
     _crash(root, 1)
     url = str(root)
-    found = store.read_kept(url, 0, 1)
-    assert found is not None
+    [found] = store.read_kept(url, 0, 1)
     copy = store.KeptStore(url, 0, store.PEER_PREFIX)
     assert copy.hold()
     name = copy.new_data_name()
@@ -403,9 +405,9 @@ def test_mpckpt_gc_names_the_copies_held_for_other_nodes_and_removes_them_like_k
     copy.publish_record(dataclasses.replace(found.record, data=name))
     found.close()
     copy.release(leave=True)
-    peer = store.read_kept(url, 0, 1, store.PEER_PREFIX)
+    [peer] = store.read_kept(url, 0, 1, store.PEER_PREFIX)
     step = found.record.step
-    assert peer is not None and peer.record.step == step
+    assert peer.record.step == step
     peer.close()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     listed = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc"], capture_output=True, text=True, timeout=120,
@@ -415,5 +417,5 @@ def test_mpckpt_gc_names_the_copies_held_for_other_nodes_and_removes_them_like_k
     out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(root)], capture_output=True, text=True,
                          timeout=120, env=env)
     assert f"removed the copy held for another node of step {step} of {root} (rank 0)" in out.stdout, out
-    assert store.read_kept(url, 0, 1, store.PEER_PREFIX) is None
+    assert store.read_kept(url, 0, 1, store.PEER_PREFIX) == []
     assert not [n for n in os.listdir(store.SHM_DIR) if n.startswith(store.base_name(url, 0, prefix=store.PEER_PREFIX))]

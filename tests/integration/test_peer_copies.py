@@ -48,7 +48,7 @@ WORKER = Path(__file__).with_name("peer_worker.py")
 JOB_TIMEOUT_S = 120
 RESOLVE_S = 60  # a save's future after its copy's receiver died: twice the bound of a receiver's answer
 _PEER_DATA = re.compile(r"mpckpt-peer-[0-9]+-[0-9a-f]{16}-r([0-9]+)-[0-9a-f]{32}")
-_PEER_RECORD = re.compile(r"mpckpt-peer-[0-9]+-[0-9a-f]{16}-r([0-9]+)\.record")
+_PEER_RECORD = re.compile(r"mpckpt-peer-[0-9]+-[0-9a-f]{16}-r([0-9]+)\.[0-9]+\.record")
 
 
 class Run:
@@ -110,13 +110,19 @@ def peer_files(node: Node, pattern: re.Pattern[str], rank: int) -> list[str]:
     return [n for n in node.shm_listing() if (m := pattern.fullmatch(n)) and int(m.group(1)) == rank]
 
 
-def peer_record(node: Node, rank: int) -> KeptRecord | None:
-    """The published copy of ``rank``'s snapshot held on ``node``, if any."""
+def peer_records(node: Node, rank: int) -> list[KeptRecord]:
+    """The published copies of ``rank``'s snapshots held on ``node`` (at most two: the newest, and
+    the newest step copied for every rank), oldest first."""
     names = peer_files(node, _PEER_RECORD, rank)
-    assert len(names) <= 1, names
-    if not names:
-        return None
-    return KeptRecord.from_bytes(node.shm_path(names[0]).read_bytes(), path=names[0])
+    assert len(names) <= 2, names
+    records = [KeptRecord.from_bytes(node.shm_path(n).read_bytes(), path=n) for n in names]
+    return sorted(records, key=lambda r: r.step)
+
+
+def peer_record(node: Node, rank: int) -> KeptRecord | None:
+    """The newest published copy of ``rank``'s snapshot held on ``node``, if any."""
+    records = peer_records(node, rank)
+    return records[-1] if records else None
 
 
 def receiving(node: Node, old: str) -> bool:
@@ -218,7 +224,7 @@ def test_a_flipped_byte_in_a_peer_copy_is_never_restored(tmp_path: Path) -> None
         node0 = cluster.nodes[0]
         record = peer_record(node0, 1)
         assert record is not None and record.step == 1
-        [data] = peer_files(node0, _PEER_DATA, 1)
+        data = record.data
         span = max(record.spans.values(), key=lambda s: s.nbytes)
         at = span.offset + span.nbytes // 2  # inside the data of rank 1's largest shard
         path = node0.shm_path(data)
@@ -259,8 +265,9 @@ def test_no_room_in_the_receivers_budget_for_a_copy_saves_go_on_without_it(tmp_p
 def test_partner_node_lost_mid_copy_the_future_resolves_and_nothing_partial_is_published(tmp_path: Path) -> None:
     """Rank 0's 128 MiB snapshot of step 1 (memory only) is being copied to node 1 when node 1 is frozen
     and lost: rank 0's future resolves without a copy (within RESOLVE_S), node 1 never published that
-    copy, every copy left on node 0 is whole, and the restart restores bit for bit whatever is whole
-    (step 1 if rank 1's small copy reached node 0 first, else step 0 from storage)."""
+    copy, every copy left on node 0 is whole, and the restart restores bit for bit from memory whatever
+    is whole (step 1 if rank 1's small copy reached node 0 first, else step 0: copied for every rank,
+    so held beside the newest)."""
     with Cluster(2, shm_size="1g", name_prefix="pg") as cluster:
         run = Run(cluster, tmp_path, 1, "--model", "ddp", "--blob-mb", 1, "--blob-mb-rank", "0=128",
                   "--budget", "512MiB")
@@ -289,7 +296,8 @@ def test_partner_node_lost_mid_copy_the_future_resolves_and_nothing_partial_is_p
         assert_whole(node0, copy)
         cluster.replace(1)
         views = run.restore()
-    expected = [(1, "memory"), (1, "peer")] if copy.step == 1 else [(0, "storage"), (0, "storage")]
+    # step 0 was copied for every rank: rank 0 holds its own snapshot of it beside step 1's, node 0 the copy
+    expected = [(copy.step, "memory"), (copy.step, "peer")]
     assert sources(views) == expected, (views, copy.step)
     for rank in range(2):
         run.assert_restored(rank, copy.step)
@@ -297,3 +305,27 @@ def test_partner_node_lost_mid_copy_the_future_resolves_and_nothing_partial_is_p
     assert doc["resolved"], f"rank 0's future of step 1 did not resolve within {RESOLVE_S} s of the loss: {doc}\n{logs}"
     assert doc["peer_copies"] == 0 and doc["status"] == "in_memory", (doc, logs)
     assert re.search(r"mpckpt: the copy of step 1 to rank 1 .*fail", logs), logs
+
+
+def test_memory_saves_every_step_a_node_lost_mid_training_restores_from_the_copies(tmp_path: Path) -> None:
+    """A save to memory every step, the loop never waiting for the copies (8 MiB per rank): the
+    copies go in rounds that newer snapshots never overtake, and each rank holds the newest step
+    copied for every rank beside its newest. Node 1 lost while training goes on: every rank
+    restores from memory (rank 0 its own, rank 1 the copy on node 0), not storage, bit for bit,
+    a step of the memory saves."""
+    steps = 40
+    with Cluster(2, shm_size="512m", name_prefix="pm") as cluster:
+        run = Run(cluster, tmp_path, 1, "--model", "ddp", "--steps", steps, "--memory-from", 1, "--blob-mb", 8,
+                  "--budget", "256MiB", "--no-wait")
+        run.job = run.launch("train")
+        run.wait_for(run.job, [f"saved-{steps // 2}-r0.pt"], poll_s=0.005)
+        cluster.nodes[1].lose()  # mid-training: the copies of the newest steps are in flight
+        run.job.kill()
+        copies = [r.step for r in peer_records(cluster.nodes[0], 1)]
+        cluster.replace(1)
+        views = run.restore()
+    step = views[0]["step"]
+    assert sources(views) == [(step, "memory"), (step, "peer")], (views, copies)
+    assert step >= 1 and step in copies, (views, copies)
+    for rank in range(2):
+        run.assert_restored(rank, step)

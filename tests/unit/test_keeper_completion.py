@@ -77,8 +77,7 @@ def test_the_uploads_checksums_complete_the_record_and_only_the_rest_is_hashed(k
     assert {rel: span.checksum for rel, span in done.spans.items()} == {
         shards[0].filename: "00000000000000aa", shards[1].filename: _real(shards[1], 1),
         shards[2].filename: "00000000000000cc"}
-    found = read_kept(url, 0, 1)  # what a restart finds
-    assert found is not None
+    [found] = read_kept(url, 0, 1)  # what a restart finds
     try:
         assert found.record.spans == done.spans
     finally:
