@@ -168,19 +168,22 @@ def read_kept(url: str, rank: int, world_size: int, prefix: str = PREFIX) -> lis
     return out
 
 
-def _read_one(name: str, url: str, rank: int, world_size: int, base: str) -> Found | None:
-    try:
-        fd, st = _open_checked(name)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored: %s", url, rank, e.strerror)
-        return None
+def _load_record(name: str) -> KeptRecord:
+    """The record ``name`` in /dev/shm, parsed and checked (``OSError``, ``CorruptCheckpointError``)."""
+    fd, st = _open_checked(name)
     try:
         if st.st_size > MAX_RECORD_BYTES:
             raise CorruptCheckpointError(f"{_path(name)} is {st.st_size} bytes, more than a record can be")
         with os.fdopen(os.dup(fd), "rb") as f:
-            record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
+            return KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
+    finally:
+        os.close(fd)
+
+
+def _read_one(name: str, url: str, rank: int, world_size: int, base: str) -> Found | None:
+    """The kept snapshot of the record ``name``, checked; None (with a warning saying why) if unusable."""
+    try:
+        record = _load_record(name)
         why = _mismatch(record, url, rank, world_size, base)
         if not why and name not in (record_name(base, record.step), base + ".record"):
             why = f"it holds step {record.step}, not the step its name says"
@@ -202,12 +205,12 @@ def _read_one(name: str, url: str, rank: int, world_size: int, base: str) -> Fou
                      "from its data", record.step, url)
         return found
     except (OSError, CorruptCheckpointError) as e:
+        if isinstance(e, FileNotFoundError) and e.filename == _path(name):
+            return None  # (the record removed meanwhile: by its holder, or gc)
         text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         log.warning("mpckpt: the snapshot kept in memory for %s (rank %d) is ignored, storage is used: %s", url,
                     rank, text)
         return None
-    finally:
-        os.close(fd)
 
 
 def _mismatch(record: KeptRecord, url: str, rank: int, world_size: int, base: str) -> str:
@@ -310,16 +313,9 @@ class KeptStore:
     def _data_of(self, name: str) -> str | None:
         """The data name the record ``name`` lists (None: no such record, or unreadable)."""
         try:
-            fd, _ = _open_checked(name)
-        except OSError:
-            return None
-        try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name)).data
+            return _load_record(name).data
         except (OSError, CorruptCheckpointError):
             return None
-        finally:
-            os.close(fd)
 
     def drop(self, record: KeptRecord) -> None:
         """Remove the kept snapshot ``record``: its record first (it is then no longer complete),
@@ -446,9 +442,7 @@ def list_kept() -> list[Listed]:
         steps = []
         for name in record_names(base):
             try:
-                fd, _ = _open_checked(name)
-                with os.fdopen(fd, "rb") as f:
-                    record = KeptRecord.from_bytes(f.read(MAX_RECORD_BYTES + 1), path=_path(name))
+                record = _load_record(name)
                 root = record.root
                 steps.append(record.step)
             except (OSError, CorruptCheckpointError):

@@ -260,8 +260,17 @@ class JobMemory:
             found.close()
         self._opened = []
 
+    def newest_held(self) -> int | None:
+        """The newest step any rank held a part of at the restore (own or a copy)."""
+        plan = self.plan
+        return max((h.step for hs in plan.held for h in hs), default=None) if plan is not None else None
+
     def settle(self, restored: int | None) -> dict[int, tuple[KeptStore, KeptRecord]]:
         """After the restore: the copies of ``restored`` stay held (returned: store, record); others go."""
+        newest = self.newest_held()
+        if restored is not None and newest is not None and newest > restored and self.group.rank == 0:
+            log.info("mpckpt: restored step %d; the newest step a rank held a part of in memory was %d, not held "
+                     "whole (%d step(s) behind it)", restored, newest, newest - restored)
         self.finish()
         kept = {}
         for rank, (store, found) in self.copies.items():
