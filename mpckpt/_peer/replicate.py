@@ -216,7 +216,12 @@ class Replicator:
     def _send_loop(self) -> None:
         store = self.link.store()
         while True:
-            step = self._next_round()
+            try:
+                step = self._next_round()
+            except Exception as e:  # the job's store failed: try again, unless closing
+                log.debug("mpckpt: waiting for round %d of the copies: %s", self.round, e)
+                time.sleep(_POLL_S)
+                continue
             if step is None:
                 return
             item = self._item_for(step)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -85,21 +86,12 @@ class Rounds:
 
     def ended(self, k: int, timeout_s: float) -> bool:
         """Whether every rank is done with round ``k``, waiting at most ``timeout_s``."""
-        if k < 0:
-            return True
-        try:
-            self.store.wait([f"rep/end/{k}"], datetime.timedelta(seconds=timeout_s))
-        except Exception:  # (the wait ran out)
-            return False
-        return True
+        return k < 0 or _waited(self.store, f"rep/end/{k}", timeout_s)
 
     def opened(self, k: int, timeout_s: float) -> int | None:
         """The step of round ``k``, waiting at most ``timeout_s`` for rank 0 to open it."""
-        if k not in self.known:
-            try:
-                self.store.wait([f"rep/round/{k}"], datetime.timedelta(seconds=timeout_s))
-            except Exception:  # (the wait ran out)
-                return None
+        if k not in self.known and not _waited(self.store, f"rep/round/{k}", timeout_s):
+            return None
         return self.step_of(k)
 
     def refresh(self, steps: Iterable[int]) -> set[int]:
@@ -125,3 +117,15 @@ class Rounds:
         if upcoming is not None:
             out.add(upcoming)
         return out & held
+
+
+def _waited(store: Any, key: str, timeout_s: float) -> bool:
+    """Whether ``key`` is set, waiting at most ``timeout_s``; a store that fails at once (gone)
+    still takes that long, so that a caller's loop never spins."""
+    started = time.monotonic()
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        return True
+    except Exception:  # (the wait ran out, or the store is gone)
+        time.sleep(max(0.0, timeout_s - (time.monotonic() - started)))
+        return False
