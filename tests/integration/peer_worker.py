@@ -10,8 +10,8 @@ FSDP2 shards, DDP's full tensors, its torch generator state and its blob) is wha
 ``train``    trains ``--steps`` steps and saves each: ``async`` (``--overlap``: overlapped), or
              ``mode="memory"`` from step ``--memory-from`` on; waits on each save's future and then
              ``ckpt.wait()`` (the copies to the other node are then in place; ``--no-wait``: goes on at
-             once, as a training loop does) and dumps its local state after each save
-             (``saved-<step>-r<rank>.pt``). Then writes ``train-r<rank>.json`` (every save's
+             once, as a training loop does) and dumps its local state right before each save
+             (``saved-<step>-r<rank>.pt``, whole or absent). Then writes ``train-r<rank>.json`` (every save's
              stats) and waits, never closing the checkpointer: the test loses a node and kills the job,
              as a crash would (what is kept in memory stays there).
 ``restore``  a fresh model (other initial weights), an optimizer without state, other generators and a
@@ -127,7 +127,9 @@ class Job:
         return {"step": step, "mode": mode, "status": future.stats.status, "peer_copies": future.stats.peer_copies}
 
     def dump(self, name: str) -> None:
-        torch.save(local_state(self.model, self.opt, self.blob), self.args.out / f"{name}-r{self.rank}.pt")
+        path = self.args.out / f"{name}-r{self.rank}.pt"
+        torch.save(local_state(self.model, self.opt, self.blob), path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # whole or absent, whenever a kill comes
 
 
 def linger() -> None:
@@ -142,8 +144,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     for step in range(args.steps):
         job.step(step)
         memory = args.memory_from is not None and step >= args.memory_from
+        job.dump(f"saved-{step}")  # first: a kill right after the save finds what it saved
         saves.append(job.save(step, "memory" if memory else "async"))
-        job.dump(f"saved-{step}")
     write_json(args.out / f"train-r{rank}.json", {"saves": saves, "shm": sorted(os.listdir("/dev/shm"))})
     linger()
 

@@ -329,3 +329,40 @@ def test_memory_saves_every_step_a_node_lost_mid_training_restores_from_the_copi
     assert step >= 1 and step in copies, (views, copies)
     for rank in range(2):
         run.assert_restored(rank, step)
+
+
+def test_a_rank_killed_while_copies_are_in_flight_restarts_from_its_own_memory(tmp_path: Path) -> None:
+    """The same loop (a save to memory every step, copies in flight): rank 0's process SIGKILLed, its
+    node alive. The job is killed and relaunched on the same nodes: every rank restores the newest
+    step every rank held from its own memory (no copy needed), bit for bit; the copy that was being
+    received when it died was never published."""
+    steps = 40
+    with Cluster(2, shm_size="512m", name_prefix="pk") as cluster:
+        run = Run(cluster, tmp_path, 1, "--model", "ddp", "--steps", steps, "--memory-from", 1, "--blob-mb", 8,
+                  "--budget", "256MiB", "--no-wait")
+        run.job = run.launch("train")
+        run.wait_for(run.job, [f"saved-{steps // 2}-r0.pt"], poll_s=0.005)
+        workers = [p for p in cluster.nodes[0].pids() if b"peer_worker.py" in _cmdline(p)
+                   and b"torch.distributed.run" not in _cmdline(p)]
+        assert workers, "rank 0's training process was not found on node 0"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        run.job.kill()
+        for node in cluster.nodes:
+            for rank in range(2):
+                for record in peer_records(node, rank):
+                    assert_whole(node, record)
+        views = run.restore()
+    step = views[0]["step"]
+    assert sources(views) == [(step, "memory"), (step, "memory")], views
+    assert step >= steps // 2 - 1, views  # (rank 0 may have died inside the save of the step it dumped)
+    for rank in range(2):
+        run.assert_restored(rank, step)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
