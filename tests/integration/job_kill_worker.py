@@ -50,6 +50,7 @@ import xxhash
 
 import mpckpt
 from tests.integration.dist_worker import attempt, init_group, module_of, parallel, write_json
+from tests.integration.peer_worker import local
 
 IN, WIDTH, OUT_DIM = 16, 64, 4
 MiB = 1 << 20
@@ -78,17 +79,6 @@ def warm_up(model: torch.nn.Module) -> None:
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(8, IN, generator=g), torch.randn(8, OUT_DIM, generator=g)
-
-
-def local(value: Any) -> Any:
-    """What this rank holds of ``value``: a DTensor's local shard, a copy of a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.to_local().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return value
 
 
 def local_state(model: torch.nn.Module, opt: torch.optim.Optimizer, blob: torch.Tensor) -> dict[str, Any]:
