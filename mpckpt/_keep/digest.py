@@ -6,8 +6,9 @@ xxh3-64 of every block of it. ``SpanHasher`` takes a file's bytes as they come (
 hashes as it lands feeds it), ``hash_span`` hashes one file held whole.
 
 A single process's eager save publishes its record before the checksums (``Keeper.keep``,
-``pending``) and hashes in the background; ``complete`` fills in what a record still lacks when
-its process died first, from the data itself (``store.read_kept``).
+``pending``) and completes it afterwards (``with_checksums``: those its uploads computed, the rest
+hashed here); a record its process left pending is completed with those the restore computed
+(``Keeper.settle``).
 """
 
 from __future__ import annotations
@@ -65,11 +66,3 @@ def with_checksums(record: KeptRecord, digests: dict[str, str]) -> KeptRecord:
     spans = {rel: dataclasses.replace(span, checksum=digests[rel]) if rel in digests else span
              for rel, span in record.spans.items()}
     return dataclasses.replace(record, spans=spans)
-
-
-def complete(record: KeptRecord, data: memoryview) -> KeptRecord:
-    """``record`` with every pending checksum computed from ``data`` (its slab's bytes). Only a
-    single process's record is ever pending (a rank's skeleton lists its block checksums: it is
-    published with them)."""
-    return with_checksums(record, {rel: hash_span(span.header, data[span.offset:span.offset + span.nbytes], 0)[0]
-                                   for rel, span in record.spans.items() if span.checksum is None})

@@ -44,7 +44,7 @@ from typing import Any
 
 from mpckpt._keep.agreement import JobAgreement, to_hold
 from mpckpt._keep.digest import SpanHasher, hash_span, with_checksums
-from mpckpt._keep.record import KeptRecord, Span
+from mpckpt._keep.record import UNKNOWN, KeptRecord, Span
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
 from mpckpt._stage.arena import Arena, Slab
@@ -78,6 +78,7 @@ class Keeper:
         self.completer = running_threads(2, "mpckpt-keep-complete")  # the checksums of a pending record
         self._completion: concurrent.futures.Future[None] | None = None
         self._agreeing: concurrent.futures.ThreadPoolExecutor | None = None  # a job's: ``_agree``, in order
+        self._reading: MemorySource | None = None  # the source a restore reads a found snapshot through
         self._warned: set[str] = set()
         if self.store.hold():
             self.found = read_kept(url, rank, world_size)
@@ -113,14 +114,18 @@ class Keeper:
         mine = found.record.manifest()
         if manifest.seq != mine.seq and found.record.seq >= 0:
             return None  # another save of that step (storage's is not the one kept)
-        if any(manifest.files.get(rel, entry).checksum != entry.checksum for rel, entry in mine.files.items()):
+        if any(entry.checksum != UNKNOWN and manifest.files.get(rel, entry).checksum != entry.checksum
+               for rel, entry in mine.files.items()):
             return None
-        return MemorySource([found], manifest)
+        self._reading = MemorySource([found], manifest)  # (what a pending record's restore learns: ``settle``)
+        return self._reading
 
     def settle(self, restored: int | None, durable: set[int]) -> None:
         """After a restore (``restored``: its step; ``durable``: the steps on storage): take over
-        the slab of the found snapshot that was restored; the others are removed."""
+        the slab of the found snapshot that was restored (a pending record completed with the
+        checksums the restore computed); the others are removed."""
         found, self.found = self.found, []
+        reading, self._reading = self._reading, None
         record = None
         for f in found:
             f.close()
@@ -143,8 +148,23 @@ class Keeper:
             if slab is not None:
                 self.arena.unkeep(slab)
             return
+        learned = reading.learned if reading is not None and reading.manifest.step == record.step else {}
+        if record.pending:  # completed with the checksums the restore computed (the rest hashed now)
+            log.info("mpckpt: the snapshot of step %d kept in memory for %s had no checksums yet; completed with "
+                     "those its restore computed", record.step, self.url)
+            done = with_checksums(record, learned)
+            if not done.pending:
+                try:
+                    self.store.publish_record(done, again=True)
+                    record = done
+                except (OSError, ValueError) as e:
+                    log.warning("mpckpt: could not write the checksums into the kept record (%s)", e)
         with self._lock:
             self._kept = [(slab, record)]
+        if record.pending:
+            known: concurrent.futures.Future[dict[str, str]] = concurrent.futures.Future()
+            known.set_result(learned)
+            self._completion = self._complete_when(known, slab, record)
         if self._agreeing is not None:  # every rank restored it: it counts as held by every rank
             self._agreeing.submit(self._agree, record.step)
 

@@ -14,8 +14,9 @@ A single process's record may be published before its shard files' checksums (``
 eager save puts it in place as soon as the copy is complete, so a kill right after ``save()``
 returns loses nothing; the checksums are added once its uploads (which compute them) are done,
 and the record published again with them (``_keep.keeper``). A record still pending when its process died is
-completed from the data when found (``_keep.digest.complete``): nothing writes a kept slab
-while its record exists, so those are the bytes the save copied. A rank's record (its skeleton
+completed by the restore that reads it (``source.MemorySource.learn``: the checksums its reads
+compute as they verify everything else): nothing writes a kept slab while its record exists, so
+those are the bytes the save copied, and hashing them at open would only have delayed the open. A rank's record (its skeleton
 lists its block checksums) is never pending.
 
 ``manifest()`` is the checkpoint's manifest as a memory source presents it: a restore checks
@@ -37,6 +38,7 @@ from mpckpt.format.names import check_relpath
 
 FORMAT = "mpckpt-kept"
 VERSION = 2  # 2: a single process's shard checksums may be pending (null)
+UNKNOWN = ""  # a pending file's checksum in a manifest: the restore that reads it computes it (``source.learn``)
 MAX_RECORD_BYTES = 256 << 20  # a skeleton is at most 64 MiB (format.skeleton), base64 and a few entries on top
 
 
@@ -82,10 +84,10 @@ class KeptRecord:
         return any(span.checksum is None for span in self.spans.values())
 
     def file_entries(self) -> dict[str, FileEntry]:
+        """Every file of the checkpoint, with its size and checksum (``UNKNOWN`` for a pending one's)."""
         files = {}
         for rel, span in self.spans.items():
-            assert span.checksum is not None, "a pending record is completed before its files are listed"
-            files[rel] = FileEntry(span.size, span.checksum)
+            files[rel] = FileEntry(span.size, UNKNOWN if span.checksum is None else span.checksum)
         files.update({rel: FileEntry(len(data), checksum(data)) for rel, data in self.small.items()})
         return files
 

@@ -43,7 +43,6 @@ import stat
 import threading
 from dataclasses import dataclass
 
-from mpckpt._keep.digest import complete
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
 from mpckpt._stage.shm import SHM_DIR
 from mpckpt.errors import CorruptCheckpointError
@@ -194,16 +193,9 @@ def _read_one(name: str, url: str, rank: int, world_size: int, base: str) -> Fou
             os.close(data_fd)
             raise CorruptCheckpointError(f"{_path(record.data)} is {data_st.st_size} bytes, the record says "
                                          f"{record.data_size} (truncated)")
-        found = Found(record, data_fd, _path(name))
-        if record.pending:  # its process died before the checksums were in it: they are the data's
-            view = memoryview(found.data)
-            try:
-                found.record = complete(record, view)
-            finally:
-                view.release()
-            log.info("mpckpt: the snapshot of step %d kept in memory for %s had no checksums yet; computed "
-                     "from its data", record.step, url)
-        return found
+        # (a pending record: its process died before the checksums were in it; the restore that
+        # reads it computes them: ``source.MemorySource.learn``, ``Keeper.settle``)
+        return Found(record, data_fd, _path(name))
     except (OSError, CorruptCheckpointError) as e:
         if isinstance(e, FileNotFoundError) and e.filename == _path(name):
             return None  # (the record removed meanwhile: by its holder, or gc)

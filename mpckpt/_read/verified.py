@@ -54,8 +54,12 @@ def checked_size(source: Source, relpath: str) -> int:
 
 
 def check_digest(hasher: Any, source: Source, relpath: str) -> None:
-    """The checksum of every byte of ``relpath`` (hashed in file order) must be the manifest's."""
-    if hasher.hexdigest() != source.manifest.files[relpath].checksum:
+    """The checksum of every byte of ``relpath`` (hashed in file order) must be the manifest's, or
+    one the source learns as the file's (a snapshot kept in memory whose checksums were not
+    written yet: ``_keep.source.MemorySource.learn``)."""
+    digest = hasher.hexdigest()
+    learn = getattr(source, "learn", None)
+    if digest != source.manifest.files[relpath].checksum and not (learn is not None and learn(relpath, digest)):
         location = source.location(relpath)
         raise CorruptCheckpointError(f"{location}: checksum does not match the manifest; the file is damaged",
                                      path=location)
