@@ -10,8 +10,7 @@ import json
 import pytest
 
 from mpckpt._keep.digest import hash_span, with_checksums
-from mpckpt._keep.record import UNKNOWN
-from mpckpt._keep.record import KeptRecord, Span
+from mpckpt._keep.record import UNKNOWN, KeptRecord, Span
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.manifest import checksum
 
