@@ -291,7 +291,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(os.path.join(args.dir, f"r{ranks}"), ignore_errors=True)
             run_case(args, "write", ranks)
     for ranks in ranks_list:  # the page cache holds the storage checkpoints, as after one untimed read
-        warm(roots(args.dir, ranks)[0])
+        h.warm_page_cache(roots(args.dir, ranks)[0])
     h.wait_for_quiet(args.wait_quiet_s)
     for repeat in range(args.repeats):
         for ranks in ranks_list:
@@ -305,14 +305,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append({"ranks": ranks, "repeat": repeat, **result})
     return {"benchmark": "open_kept", "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args),
             "machine": h.machine_info(), "rows": summarize(runs, ranks_list), "runs": runs}
-
-
-def warm(folder: str) -> None:
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                while f.read(CHUNK):
-                    pass
 
 
 def per_job(runs: list[dict[str, Any]], ranks: int, case: str, key: str) -> list[float]:

@@ -271,14 +271,6 @@ def compile_mpckpt(pythonpath: str | None) -> None:
     compileall.compile_dir(package, quiet=1)
 
 
-def warm(folder: str) -> None:
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                while f.read(CHUNK):
-                    pass
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     folder = os.path.abspath(args.dir or os.path.join(h.RESULTS_DIR, f"restore_time_ckpt_{args.gib:g}gib"))
     subjects = [s for s in args.subjects.split(",") if s]
@@ -328,7 +320,7 @@ def run_subject(args: argparse.Namespace, folder: str, subject: str) -> dict[str
 
 
 def _measure(args: argparse.Namespace, folder: str, subjects: list[str]) -> dict[str, Any]:
-    warm(folder)
+    h.warm_page_cache(folder)
     if args.pythonpath:
         os.environ["PYTHONPATH"] = os.path.abspath(args.pythonpath)
     compile_mpckpt(args.pythonpath)

@@ -155,7 +155,8 @@ class Replicator:
         read from the store now (the keeper's agreement thread, or a save that needs memory)."""
         if not self.targets:
             return set()
-        return self.rounds.pinned(self.round, held)
+        sending = self._sending
+        return self.rounds.pinned(self.round, held, sending.record.step if sending is not None else None)
 
     def _hurry(self, item: _Offered) -> None:
         with self._cond:
@@ -231,7 +232,6 @@ class Replicator:
             if item is not None:
                 with self._cond:
                     self._sending = item
-                self.rounds.sending = step
                 for dst in self.targets:
                     try:
                         copies += self._send_to(store, dst, item)
@@ -244,7 +244,6 @@ class Replicator:
                 log.debug("mpckpt: ending round %d of the copies: %s", self.round, e)
                 return
             finally:
-                self.rounds.sending = None
                 with self._cond:
                     self._sending = None
                     for s in [s for s in self._offered if s <= step]:  # copied now, or never will be
@@ -354,8 +353,7 @@ class Replicator:
             keeper.publish_record(record)  # (a copy of the same step it replaces goes)
             published = True
             if replaced is not None:
-                self.held_bytes[src] = max(0, self.held_bytes.get(src, 0) - replaced.data_size)
-                self.arena.release_external(replaced.data_size)
+                self._uncount(src, replaced.data_size)
             self.copies.setdefault(src, {})[record.step] = record
             self.held_bytes[src] = self.held_bytes.get(src, 0) + size
             self._tidy(src)
@@ -379,8 +377,12 @@ class Replicator:
         for step in steps & set(mine):
             record = mine.pop(step)
             self.held[src].drop(record)
-            self.held_bytes[src] = max(0, self.held_bytes.get(src, 0) - record.data_size)
-            self.arena.release_external(record.data_size)
+            self._uncount(src, record.data_size)
+
+    def _uncount(self, src: int, nbytes: int) -> None:
+        """``nbytes`` of ``src``'s copies no longer held here: out of the budget."""
+        self.held_bytes[src] = max(0, self.held_bytes.get(src, 0) - nbytes)
+        self.arena.release_external(nbytes)
 
     def _tidy(self, src: int) -> None:
         """Let the copies of ``src`` go that no longer need holding: the newest stays, and the

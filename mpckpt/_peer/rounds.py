@@ -15,7 +15,7 @@ prefix, never a collective):
 - a step whose count is at the world size is copied everywhere.
 
 What is held for it (``_keep.agreement.to_hold``, the rule of the kept snapshots): a rank holds
-its own snapshot of the round's step until its copies are sent (``sending``) and of the newest
+its own snapshot of the round's step until its copies are sent and of the newest
 step copied everywhere (``copied``); a receiver holds a source's newest copy and its copy of the
 newest step copied everywhere. So a node lost at any moment finds a step whose every part is
 held by a survivor: the newest copied everywhere, behind the newest save by at most the time
@@ -43,7 +43,6 @@ class Rounds:
         self._local = threading.local()
         self._lock = threading.Lock()
         self.copied: set[int] = set()  # steps known to be copied everywhere
-        self.sending: int | None = None  # the step of the round this rank sends now (held meanwhile)
         self.known: dict[int, int] = {}  # round -> its step, as learnt
 
     @property
@@ -104,15 +103,16 @@ class Rounds:
         with self._lock:
             return self.copied & steps
 
-    def pinned(self, k: int, held: Iterable[int]) -> set[int]:
+    def pinned(self, k: int, held: Iterable[int], sending: int | None) -> set[int]:
         """The steps of this rank's own snapshots its copies need held (``held``: those it keeps),
-        read now: the round being sent or opened next (``k``), and the newest copied everywhere."""
+        read now: the round being sent (``sending``) or opened next (``k``), and the newest copied
+        everywhere."""
         held = set(held)
         out = set(self.refresh(held))
         if out:
             out = {max(out)}
-        if self.sending is not None:
-            out.add(self.sending)
+        if sending is not None:
+            out.add(sending)
         upcoming = self.step_of(k)
         if upcoming is not None:
             out.add(upcoming)

@@ -9,7 +9,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch.distributed as dist
@@ -19,17 +18,7 @@ from mpckpt._keep.keeper import Keeper
 from mpckpt._keep.store import base_name, read_kept, record_names
 from mpckpt._stage import written
 from mpckpt._stage.arena import Arena
-
-MiB = 1 << 20
-BOUND_S = 30.0  # an upper bound for things that must happen; never what a test measures
-
-
-@dataclass(frozen=True)
-class Shard:  # what ``Keeper.keep`` reads of a layout's ``ShardPlan``
-    filename: str
-    header: bytes
-    offset: int
-    nbytes: int
+from tests.unit.test_keeper_completion import BOUND_S, MiB, Shard
 
 
 @pytest.fixture
