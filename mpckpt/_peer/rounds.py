@@ -70,8 +70,8 @@ class Rounds:
             if not self.store.check([f"rep/round/{k}"]):
                 return None
             self.known[k] = int(bytes(self.store.get(f"rep/round/{k}")).decode())
-            for old in [r for r in self.known if r < k - 2]:
-                del self.known[old]
+            for old in [r for r in list(self.known) if r < k - 2]:
+                self.known.pop(old, None)  # (the sender and the keeper's agreement thread both look)
         return self.known[k]
 
     def finish(self, k: int, step: int, *, copied: bool) -> None:
