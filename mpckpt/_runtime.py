@@ -62,6 +62,7 @@ from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
+from mpckpt._threads import Thread
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
 from mpckpt._writer_lock import acquire_writer_lock, release_writer_lock
@@ -471,7 +472,7 @@ class Runtime(ReadsCommitted):
             return
         if threading.current_thread().name.startswith("mpckpt-"):
             # collected on one of our own threads, which close() joins: let another thread do it
-            threading.Thread(target=self.release_unclosed, name="finalizer of an mpckpt Checkpointer").start()
+            Thread(target=self.release_unclosed, name="finalizer of an mpckpt Checkpointer").start()
             return
         warnings.warn(f"mpckpt: a Checkpointer of {self.backend.url} was not closed; closing it now "
                       "(use `with mpckpt.Checkpointer(...)` or call close())", ResourceWarning, stacklevel=2)

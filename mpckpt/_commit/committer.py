@@ -42,6 +42,7 @@ from typing import Any
 from mpckpt._commit.coordinator import Coordinator, StepDropped
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._threads import Thread
 from mpckpt.errors import MpckptError, UploadError, upload_error
 from mpckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, checkpoint_name, checksum, format_version_for
 from mpckpt.policies.retention import RetentionPolicy
@@ -75,7 +76,7 @@ class Committer:
     _lag_warned_at: int = field(init=False, default=0)  # saves waiting when the lag warning was last given
 
     def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="mpckpt-committer", daemon=True)
+        self._thread = Thread(target=self._run, name="mpckpt-committer", daemon=True)
         self._thread.start()
 
     def close(self, *, timeout_s: float) -> None:

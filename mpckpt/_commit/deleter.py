@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from mpckpt._threads import Thread
 from mpckpt.errors import MpckptError, WaitTimeoutError
 from mpckpt.storage import Backend
 
@@ -39,7 +40,7 @@ class Deleter:
         self._busy = False
         self._stopping = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="mpckpt-deleter", daemon=True)
+        self._thread = Thread(target=self._run, name="mpckpt-deleter", daemon=True)
         self._thread.start()
 
     def delete(self, names: list[str], *, shared: list[str] | None = None) -> None:

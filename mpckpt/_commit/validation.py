@@ -42,6 +42,7 @@ from typing import Any
 from mpckpt._commit.ledger import Ledger
 from mpckpt._commit.validator_process import ValidationFailed, ValidatorProcess, ValidatorSetup, pickle_fn
 from mpckpt._futures import ValidationStats
+from mpckpt._threads import Thread
 from mpckpt.errors import ConfigError, MpckptError, ValidationError, WaitTimeoutError
 from mpckpt.format import validation as record
 from mpckpt.format.manifest import Manifest
@@ -78,7 +79,7 @@ class Validator:
         self._abandon = False
         self._process: ValidatorProcess | None = None
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="mpckpt-validator", daemon=True)
+        self._thread = Thread(target=self._run, name="mpckpt-validator", daemon=True)
         self._thread.start()
 
     # -- the committer's side ----------------------------------------------------------------

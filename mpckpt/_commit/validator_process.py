@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import dill
 from multiprocess.connection import wait as mp_wait
 
 from mpckpt._preemption import JOB_SIGNALS
+from mpckpt._threads import Thread
 from mpckpt._upload.spawn import VALIDATOR_NAME, uploader_context
 from mpckpt._upload.worker import RemoteFailure, process_alive, set_title
 from mpckpt.errors import ConfigError, add_note
@@ -184,7 +184,7 @@ def _become_validator(setup: ValidatorSetup) -> None:
         os.nice(setup.nice)
     except OSError:
         pass
-    threading.Thread(target=_exit_with_trainer, args=(setup.trainer_pid,), name="mpckpt-trainer-watch",
+    Thread(target=_exit_with_trainer, args=(setup.trainer_pid,), name="mpckpt-trainer-watch",
                      daemon=True).start()
 
 

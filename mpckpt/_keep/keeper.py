@@ -49,6 +49,7 @@ from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
 from mpckpt._stage.arena import Arena, Slab
 from mpckpt._stage.shm import Segment
+from mpckpt._threads import executor
 from mpckpt.format.manifest import Manifest, _json_safe_metrics
 
 log = logging.getLogger("mpckpt")
@@ -418,7 +419,7 @@ def running_threads(count: int, name: str) -> concurrent.futures.ThreadPoolExecu
     """An executor whose ``count`` threads are running when it is returned. A thread started inside
     a save waits for the process's memory map behind the pages being faulted in: four started in an
     unprepared first save of 1 GiB took 240 ms, most of that save on 2 cores."""
-    pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix=name)
+    pool = executor(count, name)
     started = threading.Barrier(count + 1)
     for _ in range(count):  # each holds its thread until all are up, so each gets its own
         pool.submit(started.wait, 10.0)

@@ -57,6 +57,7 @@ from mpckpt._keep.store import PEER_PREFIX, KeptStore, data_path
 from mpckpt._peer.link import CHUNK_BYTES, PROGRESS_S, Link, as_bytes, ints
 from mpckpt._peer.rounds import Rounds
 from mpckpt._stage.arena import Arena, Slab
+from mpckpt._threads import Thread
 
 log = logging.getLogger("mpckpt")
 _TAG = 7          # replication data, per (sender, receiver) pair: one transfer at a time
@@ -119,7 +120,7 @@ class Replicator:
             self._start(self._recv_loop, f"mpckpt-peer-recv-{src}", src)
 
     def _start(self, target: Any, name: str, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread = Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from collections.abc import Callable
 
 import torch
 
 from mpckpt._peer.link import CHUNK_BYTES, Link, as_bytes, ints
+from mpckpt._threads import Thread
 from mpckpt.errors import CheckpointNotFoundError
 
 log = logging.getLogger("mpckpt")
@@ -43,7 +43,7 @@ class Server:
     def __init__(self, link: Link, read: Reader) -> None:
         self.link, self.read = link, read
         self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, name="mpckpt-peer-serve", daemon=True)
+        self.thread = Thread(target=self._serve, name="mpckpt-peer-serve", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:

@@ -19,7 +19,6 @@ the checkpoint is reported damaged. ``ranked`` builds states from the regions.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import math
 import threading
@@ -35,6 +34,7 @@ from mpckpt._progress import reading_bar
 from mpckpt._read.skeleton import Skeleton, read_rank_skeletons
 from mpckpt._read.sources import Source
 from mpckpt._read.verified import checked_size, memory, read_header
+from mpckpt._threads import executor
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader
 
@@ -281,7 +281,7 @@ class Reader:
             total = sum(nbytes for reads in by_file.values() for _, nbytes, _ in reads)
             bar = reading_bar(total, f"mpckpt load {self.name}")
             try:
-                with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="mpckpt-read") as pool:
+                with executor(self.threads, "mpckpt-read") as pool:
                     for future in [pool.submit(one_file, reads, bar) for reads in by_file.values()]:
                         future.result()
             finally:

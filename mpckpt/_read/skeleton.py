@@ -14,7 +14,6 @@ the skeleton file when what it says does not hold together.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from mpckpt._codec.tree import build_tensors, unflatten
 from mpckpt._read.sources import Source
 from mpckpt._read.verified import read_verified
+from mpckpt._threads import executor
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
 from mpckpt.format.skeleton import KINDS, MAX_SKELETON_BYTES, RANK_SKELETON_VERSION, SKELETON_VERSION
@@ -61,7 +61,7 @@ def read_rank_skeletons(source: Source, *, threads: int = 8) -> list[Skeleton]:
         if rel not in source.manifest.files:
             raise CorruptCheckpointError(f"{source.name}: saved by {world} ranks, but the manifest lists no {rel}",
                                          path=f"{source.name}/{rel}")
-    with concurrent.futures.ThreadPoolExecutor(min(threads, world), thread_name_prefix="mpckpt-skeleton") as pool:
+    with executor(min(threads, world), "mpckpt-skeleton") as pool:
         raws = list(pool.map(lambda rel: _read(source, rel), names))
     return [_parse(source, names[rank], raw, rank=rank) for rank, raw in enumerate(raws)]
 

@@ -14,7 +14,6 @@ here uses numpy, which torch does not require.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import xxhash
 
 from mpckpt._read.sources import Source
+from mpckpt._threads import executor
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
 
@@ -100,7 +100,7 @@ def stream_verified(source: Source, relpath: str, sink: Callable[[memoryview], o
         return view
 
     hasher = xxhash.xxh3_64()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpckpt-stream") as ahead:
+    with executor(1, "mpckpt-stream") as ahead:
         pending = ahead.submit(read, 0) if count else None
         for k in range(count):
             assert pending is not None

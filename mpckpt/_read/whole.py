@@ -34,7 +34,6 @@ A read that lasts more than a second draws a progress bar on a terminal (``_prog
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from mpckpt._read.live import LiveLeaf, live_targets, staged_for_gpu
 from mpckpt._read.skeleton import Skeleton, build, error, read_skeleton
 from mpckpt._read.sources import Source
 from mpckpt._read.verified import check_digest, checked_size, memory, read_header, stream_verified
+from mpckpt._threads import executor
 from mpckpt.errors import CorruptCheckpointError, add_note
 from mpckpt.format.safetensors import ParsedHeader
 
@@ -235,7 +235,7 @@ def _read_leaves(source: Source, skeleton: Skeleton, *, threads: int, live: dict
     ``live`` tensor (by leaf index), after every shard verified."""
     names = skeleton.shard_names
     bar = reading_bar(sum(source.manifest.files[s].size for s in names), f"mpckpt load {source.name}")
-    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mpckpt-read")
+    pool = executor(threads, "mpckpt-read")
     wrote = threading.Event()
     live = live or {}
     try:

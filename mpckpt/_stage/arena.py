@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from mpckpt._stage.shm import Segment
+from mpckpt._threads import Thread
 from mpckpt.errors import BudgetError, WaitTimeoutError
 
 log = logging.getLogger("mpckpt")
@@ -95,7 +96,7 @@ class Arena:
         # removes its record before the slab is written again
         self.reclaim: Callable[[list[Slab]], list[Slab]] | None = None
         self._spares: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
-        self._spare_maker = threading.Thread(target=self._serve_spares, name="mpckpt-spare-slab", daemon=True)
+        self._spare_maker = Thread(target=self._serve_spares, name="mpckpt-spare-slab", daemon=True)
         self._spare_maker.start()
 
     @property

@@ -18,7 +18,6 @@ INVARIANT: at most one background copy is in flight; a new save waits for the pr
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from mpckpt._futures import SaveStats
 from mpckpt._stage import device
 from mpckpt._stage.snapshot import FlatState
+from mpckpt._threads import executor
 from mpckpt.errors import WaitTimeoutError
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -86,7 +86,7 @@ class BackgroundCopier:
 
     def __init__(self, *, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpckpt-copy")
+        self._executor = executor(1, "mpckpt-copy")
         self._idle = threading.Event()
         self._idle.set()
         self._stats: SaveStats | None = None

@@ -27,6 +27,7 @@ from typing import Any
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.layout import Layout
 from mpckpt._stage.shm import SHM_DIR
+from mpckpt._threads import Thread
 from mpckpt.errors import BudgetError
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14): map a range's pages as a write would, without writing
@@ -66,7 +67,7 @@ def populate(slab: Slab) -> threading.Thread:
     any thread that allocates memory meanwhile (a new arena of Python objects is a map) waits for
     it. Mapped whole in one call, the rest of a first save of 5,424 tensors spent ~230 ms in a
     5 ms list comprehension, waiting for 1 GiB to be mapped."""
-    thread = threading.Thread(target=_map_pages, args=(slab,), name="mpckpt-map-slab", daemon=True)
+    thread = Thread(target=_map_pages, args=(slab,), name="mpckpt-map-slab", daemon=True)
     thread.start()
     return thread
 

@@ -40,6 +40,7 @@ from typing import Any
 
 from multiprocess.connection import wait as mp_wait
 
+from mpckpt._threads import Thread
 from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
 from mpckpt._upload.threadworker import ThreadWorker
 from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
@@ -136,7 +137,7 @@ class UploaderPool:
         if wait or hold_s <= 0:
             self.go()
         self._hold_s = hold_s
-        self._thread = threading.Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
+        self._thread = Thread(target=self._run, name="mpckpt-dispatcher", daemon=True)
         self._thread.start()
         if wait:
             try:

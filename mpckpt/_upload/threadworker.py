@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from mpckpt._threads import Thread
 
 
 class ThreadWorker:
@@ -21,7 +22,7 @@ class ThreadWorker:
         self.sentinel, self._done_w = os.pipe()
         self.pid = os.getpid()
         self.exitcode: int | None = None
-        self._thread = threading.Thread(target=self._main, args=(target, args), name="mpckpt-uploader", daemon=True)
+        self._thread = Thread(target=self._main, args=(target, args), name="mpckpt-uploader", daemon=True)
 
     def _main(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         try:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mpckpt import Checkpointer, SaveFuture
+from mpckpt._threads import executor
 from mpckpt.errors import CheckpointNotFoundError, MpckptError
 from mpckpt.integrations import require
 
@@ -167,7 +168,7 @@ class BestFolder:
             return
         self.step = step
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-best-model")
+            self._pool = executor(1, "mpckpt-hf-best-model")
         committed = threading.Event()
         if saving is None:
             committed.set()

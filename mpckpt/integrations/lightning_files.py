@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mpckpt
+from mpckpt._threads import Thread
 from mpckpt.config import DEFAULT_TIMEOUT_S
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, add_note
 
@@ -396,7 +397,7 @@ class FileWriter:
         with self._started:
             if self._thread is None:
                 self._closing = False
-                self._thread = threading.Thread(target=self._run, name="mpckpt-lightning-files", daemon=True)
+                self._thread = Thread(target=self._run, name="mpckpt-lightning-files", daemon=True)
                 self._thread.start()
         self._queue.put(item)
 

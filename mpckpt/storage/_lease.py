@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from mpckpt._threads import Thread
 from mpckpt.errors import ConfigError, LockedError
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class LeaseLock:
             latest = self._store.load()
             raise self._locked(_decode(latest) if latest else {}) from e
         self._held = True
-        self._keepalive = threading.Thread(target=self._keep_alive, name=f"mpckpt-lease {self.where}", daemon=True)
+        self._keepalive = Thread(target=self._keep_alive, name=f"mpckpt-lease {self.where}", daemon=True)
         self._keepalive.start()
         return self
 

@@ -28,7 +28,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import Any
 
 from azure.core import MatchConditions
@@ -44,6 +44,7 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
 
+from mpckpt._threads import executor
 from mpckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -305,7 +306,7 @@ class AzureBlobBackend(ObjectStoreBackend):
     def _delete_names(self, names: Sequence[str]) -> None:
         def delete(name: str) -> None:
             self._call(f"delete {self.url}/{name}", lambda: self._delete_blob_quiet(name))
-        with ThreadPoolExecutor(max_workers=max(1, min(self._concurrency, len(names)))) as pool:
+        with executor(max(1, min(self._concurrency, len(names))), "mpckpt-azure") as pool:
             for future in [pool.submit(delete, n) for n in names]:
                 future.result()
 
@@ -384,7 +385,7 @@ class AzureBlobBackend(ObjectStoreBackend):
                 blob.stage_block(ids[i], data, length=end - start)
             self._call(f"{what} (block {i + 1} of {count})", put)
 
-        with ThreadPoolExecutor(max_workers=min(self._concurrency, count)) as pool:
+        with executor(min(self._concurrency, count), "mpckpt-azure") as pool:
             futures = [pool.submit(stage, i) for i in range(count)]
             done, pending = wait(futures, return_when=FIRST_EXCEPTION)
             for f in pending:

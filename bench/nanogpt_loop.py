@@ -1,0 +1,207 @@
+"""A real small training loop on CPU, checkpointed five ways: what each costs the whole loop.
+
+The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a laptop: 4 layers,
+4 heads, 128 wide, 64-token context, batch 12, a 65-symbol vocabulary, tied embeddings, AdamW;
+0.8 M parameters, 9.8 MB of state with Adam's moments) trained on synthetic symbols for
+``--iters`` iterations (600). Every case runs in a fresh process, and the cases take turns
+(``--rounds`` of each, 3): the median per case is the figure.
+
+- ``none``: no checkpoint at all;
+- ``torch_save``: nanoGPT's own, ``torch.save`` of model, optimizer, iteration every ``--every``;
+- ``dcp_async``: ``torch.distributed.checkpoint.async_save`` every ``--every`` (each waits for the
+  one before, as DCP asks);
+- ``mpckpt_idle``: a Checkpointer opened and restored (an empty root), never saving;
+- ``mpckpt_async``: ``save`` every ``--every`` (ASYNC);
+- ``mpckpt_memory``: ``save`` every iteration, ``mode="memory"`` (kept in shared memory for a
+  restart, nothing uploaded), and every ``--every``-th ASYNC (README, "Restarting from memory").
+
+``loop_s`` is the loop's wall time, saves included; ``drain_s`` what the end waits for what is
+still in flight (the close, or DCP's last future), apart. ``ctx_switches`` is the process's
+voluntary context switches (all its threads) during the loop: an OpenMP team that stopped
+spin-waiting shows there first.
+
+Usage: python bench/nanogpt_loop.py [--iters 600] [--every 10] [--rounds 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _harness import emit_result, machine_info, markdown_table, median, run_each, target_dir, wait_for_quiet, write_json
+
+CASES = ("none", "torch_save", "dcp_async", "mpckpt_idle", "mpckpt_async", "mpckpt_memory")
+VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, BATCH = 65, 64, 128, 4, 4, 12
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(WIDTH), SelfAttention()
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tokens.weight  # tied, as nanoGPT's
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02 / (math.sqrt(2 * LAYERS) if name.endswith("out.weight") else 1))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).view(-1, VOCAB), targets.view(-1))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.99))
+
+
+def _child(case: str, args: argparse.Namespace) -> None:
+    torch.manual_seed(1337)
+    data = torch.randint(0, VOCAB, (1 << 20,))
+    model = GPT()
+    opt = _optimizer(model)
+    folder = tempfile.mkdtemp(prefix=f"nanogpt-{case}-", dir=args.dir)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "iter_num": 0}
+    ckpt = None
+    if case.startswith("mpckpt"):
+        import mpckpt
+
+        ckpt = mpckpt.Checkpointer(os.path.join(folder, "root"), workers=1)
+        ckpt.restore(state)
+    pending = None
+    blocked: list[float] = []
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - CONTEXT - 1, (BATCH,))
+        return (torch.stack([data[i:i + CONTEXT] for i in ix]), torch.stack([data[i + 1:i + 1 + CONTEXT] for i in ix]))
+
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    for it in range(args.iters):
+        x, y = batch()
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["iter_num"] = it
+        due = (it + 1) % args.every == 0
+        t0 = time.perf_counter()
+        if case == "torch_save" and due:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": it},
+                       os.path.join(folder, "ckpt.pt"))
+        elif case == "dcp_async" and due:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            if pending is not None:
+                pending.result()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            pending = dcp.async_save({"model": model_sd, "optimizer": optim_sd},
+                                     checkpoint_id=os.path.join(folder, f"iter{it}"))
+        elif case == "mpckpt_async" and due:
+            assert ckpt is not None
+            ckpt.save(it, state)
+        elif case == "mpckpt_memory":
+            assert ckpt is not None
+            ckpt.save(it, state, mode="async" if due else "memory")
+        else:
+            continue
+        blocked.append(time.perf_counter() - t0)
+    loop_s = time.perf_counter() - started
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if pending is not None:
+        pending.result()
+    if ckpt is not None:
+        ckpt.close()
+    drain_s = time.perf_counter() - t0
+    shutil.rmtree(folder, ignore_errors=True)
+    emit_result({"case": case, "loop_s": loop_s, "drain_s": drain_s, "step_ms": 1e3 * loop_s / args.iters,
+                 "saves": len(blocked), "blocked_ms_median": 1e3 * median(blocked) if blocked else 0.0,
+                 "ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "loss": loss.item()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child")
+    ap.add_argument("--iters", type=int, default=600)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, args)
+        return
+    folder, remove = target_dir(args.dir, "nanogpt-")
+    cases = args.cases.split(",")
+    print(f"waiting for a quiet machine (busy {wait_for_quiet(120):.0f}%)", file=sys.stderr)
+    runs = run_each(__file__, cases, ["--iters", str(args.iters), "--every", str(args.every), "--dir", folder],
+                    label="case", repeats=args.rounds)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+    base = median([r["loop_s"] for r in runs if r["case"] == "none"]) if "none" in cases else math.nan
+    rows = []
+    for case in cases:
+        mine = [r for r in runs if r["case"] == case]
+        loop = median([r["loop_s"] for r in mine])
+        rows.append({"case": case, "loop_s": loop, "vs_none": loop / base,
+                     "loops": " / ".join(f"{r['loop_s']:.1f}" for r in mine),
+                     "drain_s": median([r["drain_s"] for r in mine]),
+                     "blocked_ms": median([r["blocked_ms_median"] for r in mine]),
+                     "ctx_switches": median([r["ctx_switches"] for r in mine]),
+                     "foreign_cpu_pct": max(r["foreign_cpu_pct"] for r in mine)})
+    print(markdown_table(rows, [("case", "case", 0), ("loop_s", "loop s (median)", 2), ("vs_none", "x none", 3),
+                                ("loops", "each run's loop s", 0), ("drain_s", "drain s", 2),
+                                ("blocked_ms", "blocked ms / save", 2), ("ctx_switches", "vol. ctx switches", 0),
+                                ("foreign_cpu_pct", "other CPU % (max)", 1)]))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "iters": args.iters, "every": args.every,
+                               "rows": rows, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
