@@ -15,7 +15,8 @@ The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a lapto
 - ``mpckpt_memory``: ``save`` every iteration, ``mode="memory"`` (kept in shared memory for a
   restart, nothing uploaded), and every ``--every``-th ASYNC (README, "Restarting from memory").
 
-``loop_s`` is the loop's wall time, saves included; ``drain_s`` what the end waits for what is
+``loop_s`` is the loop's wall time, saves included (``training_s``: less the time the saves
+blocked, what the steps took with the checkpointer working beside them); ``drain_s`` what the end waits for what is
 still in flight (the close, or DCP's last future), apart. ``ctx_switches`` is the process's
 voluntary context switches (all its threads) during the loop: an OpenMP team that stopped
 spin-waiting shows there first.
@@ -159,7 +160,7 @@ def _child(case: str, args: argparse.Namespace) -> None:
     drain_s = time.perf_counter() - t0
     shutil.rmtree(folder, ignore_errors=True)
     emit_result({"case": case, "loop_s": loop_s, "drain_s": drain_s, "step_ms": 1e3 * loop_s / args.iters,
-                 "saves": len(blocked), "blocked_ms_median": 1e3 * median(blocked) if blocked else 0.0,
+                 "saves": len(blocked), "blocked_s": sum(blocked), "blocked_ms_median": 1e3 * median(blocked) if blocked else 0.0,
                  "ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "loss": loss.item()})
 
 
@@ -192,11 +193,13 @@ def main() -> None:
                      "loops": " / ".join(f"{r['loop_s']:.1f}" for r in mine),
                      "drain_s": median([r["drain_s"] for r in mine]),
                      "blocked_ms": median([r["blocked_ms_median"] for r in mine]),
+                     "training_s": median([r["loop_s"] - r["blocked_s"] for r in mine]),
                      "ctx_switches": median([r["ctx_switches"] for r in mine]),
                      "foreign_cpu_pct": max(r["foreign_cpu_pct"] for r in mine)})
     print(markdown_table(rows, [("case", "case", 0), ("loop_s", "loop s (median)", 2), ("vs_none", "x none", 3),
                                 ("loops", "each run's loop s", 0), ("drain_s", "drain s", 2),
-                                ("blocked_ms", "blocked ms / save", 2), ("ctx_switches", "vol. ctx switches", 0),
+                                ("blocked_ms", "blocked ms / save", 2),
+                                ("training_s", "loop s less blocked", 2), ("ctx_switches", "vol. ctx switches", 0),
                                 ("foreign_cpu_pct", "other CPU % (max)", 1)]))
     if args.json:
         write_json(args.json, {"machine": machine_info(), "iters": args.iters, "every": args.every,

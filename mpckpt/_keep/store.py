@@ -55,7 +55,7 @@ PEER_PREFIX = "mpckpt-peer-"  # copies of another node's snapshots, held here (`
 _BASE_RE = re.compile(r"mpckpt-(kept|peer)-([0-9]{1,10})-([0-9a-f]{16})-r([0-9]{1,6})")
 _IOV_MAX = 512  # pieces per writev (the system allows at least 1,024)
 _DATA_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})-[0-9a-f]{32}")
-_RECORD_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})(?:\.([0-9]{1,12}))?\.record")
+_RECORD_RE = re.compile(r"(mpckpt-(?:kept|peer)-[0-9]{1,10}-[0-9a-f]{16}-r[0-9]{1,6})(?:\.([0-9]{1,20}))?\.record")
 
 
 def root_key(url: str) -> str:
@@ -293,7 +293,7 @@ class KeptStore:
                 _write_all(fd, record.to_pieces())
             finally:
                 os.close(fd)
-            replaced = self._data_of(name)
+            replaced = None if again else self._data_of(name)  # (again: the data in place is record.data)
             os.rename(_path(tmp), _path(name))  # INVARIANT: after the last byte
         except BaseException:
             if not again:

@@ -91,3 +91,16 @@ def test_what_no_checked_record_lists_is_tidied_at_open(kept):
     assert not os.path.exists(store.data_path(stray)) and not os.path.exists(store.data_path(four.data))
     assert store.record_names(s.base) == [store.record_name(s.base, 3)]
     assert os.path.exists(store.data_path(three.data))
+
+
+def test_a_step_of_any_size_is_found_and_released(kept):
+    """Steps counted in tokens or milliseconds run past 12 digits: such a record was never listed,
+    so a restart missed it and the close left it behind in /dev/shm."""
+    s, three = kept
+    big = _publish(s, 2**63 - 1, b"\2")
+    found = store.read_kept(s.url, 0, 1)
+    assert [f.record.step for f in found] == [3, big.step]
+    for f in found:
+        f.close()
+    s.release(leave=False)
+    assert not any(name.startswith(s.base) for name in os.listdir("/dev/shm")), "left behind in /dev/shm"
