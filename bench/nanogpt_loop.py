@@ -21,7 +21,8 @@ still in flight (the close, or DCP's last future), apart. ``ctx_switches`` is th
 voluntary context switches (all its threads) during the loop: an OpenMP team that stopped
 spin-waiting shows there first.
 
-Usage: python bench/nanogpt_loop.py [--iters 600] [--every 10] [--rounds 3] [--json PATH]
+Usage: python bench/nanogpt_loop.py [--iters 600] [--every 10] [--rounds 3] [--cases a,b] [--pythonpath CHECKOUT]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pythonpath", default=None, help="a checkout whose mpckpt the children import")
     args = ap.parse_args()
     if args.child:
         _child(args.child, args)
@@ -181,7 +183,7 @@ def main() -> None:
     cases = args.cases.split(",")
     print(f"waiting for a quiet machine (busy {wait_for_quiet(120):.0f}%)", file=sys.stderr)
     runs = run_each(__file__, cases, ["--iters", str(args.iters), "--every", str(args.every), "--dir", folder],
-                    label="case", repeats=args.rounds)
+                    label="case", repeats=args.rounds, pythonpath=args.pythonpath)
     if remove:
         shutil.rmtree(folder, ignore_errors=True)
     base = median([r["loop_s"] for r in runs if r["case"] == "none"]) if "none" in cases else math.nan
