@@ -12,6 +12,8 @@ The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a lapto
   one before, as DCP asks);
 - ``mpckpt_idle``: a Checkpointer opened and restored (an empty root), never saving;
 - ``mpckpt_async``: ``save`` every ``--every`` (ASYNC);
+- ``mpckpt_async_low``, ``mpckpt_async_normal`` (by name only): ASYNC with the uploaders at that
+  ``uploader_priority`` instead of the default ``idle``;
 - ``mpckpt_memory``: ``save`` every iteration, ``mode="memory"`` (kept in shared memory for a
   restart, nothing uploaded), and every ``--every``-th ASYNC (README, "Restarting from memory").
 
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from _harness import emit_result, machine_info, markdown_table, median, run_each, target_dir, wait_for_quiet, write_json
 
 CASES = ("none", "torch_save", "dcp_async", "mpckpt_idle", "mpckpt_async", "mpckpt_memory")
+PRIORITIES = ("mpckpt_async_low", "mpckpt_async_normal")  # asked for by name: ASYNC, the uploaders at that priority
 VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, BATCH = 65, 64, 128, 4, 4, 12
 
 
@@ -110,7 +113,8 @@ def _child(case: str, args: argparse.Namespace) -> None:
     if case.startswith("mpckpt"):
         import mpckpt
 
-        ckpt = mpckpt.Checkpointer(os.path.join(folder, "root"), workers=1)
+        priority = case.rsplit("_", 1)[1] if case in PRIORITIES else None
+        ckpt = mpckpt.Checkpointer(os.path.join(folder, "root"), workers=1, uploader_priority=priority)
         ckpt.restore(state)
     pending = None
     blocked: list[float] = []
@@ -142,7 +146,7 @@ def _child(case: str, args: argparse.Namespace) -> None:
             model_sd, optim_sd = get_state_dict(model, opt)
             pending = dcp.async_save({"model": model_sd, "optimizer": optim_sd},
                                      checkpoint_id=os.path.join(folder, f"iter{it}"))
-        elif case == "mpckpt_async" and due:
+        elif case in ("mpckpt_async", *PRIORITIES) and due:
             assert ckpt is not None
             ckpt.save(it, state)
         elif case == "mpckpt_memory":
