@@ -146,6 +146,19 @@ class LastRestore:
     seconds: float
     bytes: int
 
+    def __repr__(self) -> str:  # (seconds to the millisecond: a restore is not timed closer than that)
+        return f"LastRestore(step={self.step}, source={self.source!r}, seconds={self.seconds:.3f}, bytes={self.bytes})"
+
+    def __str__(self) -> str:
+        return f"step {self.step} restored from {self.source} in {self.seconds:.2f} s ({_size(self.bytes)})"
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} bytes"
+
 
 @dataclass
 class CheckpointerStats:

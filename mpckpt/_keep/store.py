@@ -62,6 +62,12 @@ def root_key(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
+def root_key_of(base: str) -> str | None:
+    """The ``root_key`` a kept snapshot's ``base`` name carries (None: not such a name)."""
+    m = _BASE_RE.fullmatch(base)
+    return None if m is None else m.group(3)
+
+
 def base_name(url: str, rank: int, uid: int | None = None, prefix: str = PREFIX) -> str:
     return f"{prefix}{os.geteuid() if uid is None else uid}-{root_key(url)}-r{rank}"
 

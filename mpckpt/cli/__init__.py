@@ -25,7 +25,8 @@
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
     mpckpt gc [ROOT ...]        remove shared memory of dead trainers (and the snapshots they
-                                kept in memory for each ROOT), and staging and manifest-less
+                                kept in memory for each ROOT; with no ROOT, every kept snapshot
+                                is listed and none removed), and staging and manifest-less
                                 folders and shared files no checkpoint uses under each ROOT
                                 (takes the writer lock, so it refuses while a live trainer
                                 writes there); never removes a folder that has a manifest

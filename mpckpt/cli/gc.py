@@ -5,9 +5,10 @@ named: only root in the host's PID namespace can tell whether they are in use). 
 user's trainers kept in memory (``keep_in_memory``), and the copies this node holds of other
 nodes' snapshots (``peer_copies``): those of a ROOT given that no live process
 keeps any more are removed, each named with its rank, step and size (a restart of that run would
-have restored from one; with it gone, the restart reads storage), and so are kept files whose
-record is missing or unreadable (an interrupted keep); without a ROOT every kept snapshot is
-listed and none removed (a crashed trainer may be about to restart from it). Then, under
+have restored from one; with it gone, the restart reads storage), and so are ROOT's kept files
+whose record is missing or unreadable (an interrupted keep: the root is known from the key in
+their names); without a ROOT every kept snapshot is listed, with the command that would remove
+it, and none is removed (a crashed trainer may be about to restart from it). Then, under
 each ROOT, staging and manifest-less folders and the files in ``shared/`` no manifest lists
 (a crashed save's, or those of checkpoints removed by hand), by the same ``catalog.recover``
 that opening a Checkpointer runs. It takes the writer lock, so it refuses while a live trainer writes there.
@@ -55,25 +56,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gc_kept(roots: list[str], options: str | None) -> None:
-    """List this user's kept snapshots; remove the unheld ones of ``roots`` and the incomplete ones."""
-    urls = set()
+    """Without ``roots``: list this user's kept snapshots, remove none. With them: remove those of
+    ``roots`` no live process keeps, an incomplete one (its record missing or unreadable: an
+    interrupted keep, a lock left alone) too; a snapshot belongs to a root by the key its file
+    names carry, so an incomplete one is known to be ROOT's without its record."""
+    keys = set()
     for root in roots:
         try:
-            urls.add(str(backend_for(root, options).url))
+            keys.add(_kept.root_key(str(backend_for(root, options).url)))
         except MpckptError:
             continue  # said when the root itself is collected
     for kept in _kept.list_kept():
-        if roots and kept.root is not None and kept.root not in urls:
+        given = _kept.root_key_of(kept.base) in keys
+        if roots and not given:
             continue  # another root's (or ROOT could not be opened): gc ROOT speaks of ROOT's only
         whose = "the copy held for another node of" if kept.peer else "the snapshot of"
         what = (f"{whose} step {kept.step} of {kept.root} (rank {kept.rank})" if kept.root is not None
-                else f"the incomplete snapshot {kept.base}")
+                else f"the incomplete snapshot {kept.base} (rank {kept.rank})")
         size = f"{kept.nbytes >> 20} MiB"
         if kept.held:
             say(f"left {what} kept in memory ({size}): a live trainer keeps it")
-        elif kept.root is not None and kept.root not in urls:
+        elif not given and kept.root is not None:
             say(f"left {what} kept in memory ({size}): its trainer may restart from it; `mpckpt gc {kept.root}` "
                 "removes it")
+        elif not given:
+            say(f"left {what} in memory ({size}): its record is missing or unreadable; `mpckpt gc ROOT` of the "
+                f"root it was kept for removes it (or remove /dev/shm/{kept.base}* by hand)")
         elif _kept.remove_kept(kept.base):
             say(f"removed {what} kept in memory ({size}): no trainer keeps it any more")
 

@@ -309,6 +309,40 @@ def test_mpckpt_gc_removes_the_kept_snapshots_of_the_roots_given_that_no_trainer
         assert any(n.endswith(".record") for n in kept_files(str(other))), "another root's was removed"
 
 
+def test_mpckpt_gc_without_a_root_removes_no_incomplete_snapshot_and_gc_root_removes_only_its_own(tmp_path):
+    """A kept snapshot whose record is missing (an interrupted keep leaves its lock, or data with
+    no record) belongs to the root whose key its names carry: ``mpckpt gc`` lists it and removes
+    nothing, ``mpckpt gc ROOT`` removes ROOT's and leaves another root's."""
+    root, other = tmp_path / "root", tmp_path / "other"
+    left = []
+    for url in (root, other):
+        base = store.base_name(str(url), 3)
+        for name in (f"{base}.lock", f"{base}-{'0' * 32}"):
+            fd = os.open(store.data_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, b"\0" * 4096)
+            os.close(fd)
+            left.append(store.data_path(name))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        listed = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc"], capture_output=True, text=True,
+                                timeout=120, env=env)
+        assert listed.returncode == 0, listed.stderr
+        for url in (root, other):
+            assert f"left the incomplete snapshot {store.base_name(str(url), 3)} (rank 3) in memory" in listed.stdout
+        assert all(os.path.exists(p) for p in left), "gc without a ROOT removed files"
+        mpckpt.Checkpointer(root, workers=1).close()  # (a root a Checkpointer used: gc collects it)
+        out = subprocess.run([sys.executable, "-m", "mpckpt.cli", "gc", str(root)], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        assert f"removed the incomplete snapshot {store.base_name(str(root), 3)} (rank 3)" in out.stdout, out.stdout
+        assert str(store.base_name(str(other), 3)) not in out.stdout
+        assert [os.path.exists(p) for p in left] == [False, False, True, True]
+    finally:
+        for path in left:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 @pytest.mark.parametrize("overlap,strided", [(False, False), (False, True), (True, False)])
 def test_a_kept_snapshot_has_the_checksums_storage_gets(tmp_path, overlap, strided):
     """The copy that hashes as it goes (eager, contiguous tensors) and the hash after the copy
