@@ -21,7 +21,10 @@ The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a lapto
 blocked, what the steps took with the checkpointer working beside them); ``drain_s`` what the end waits for what is
 still in flight (the close, or DCP's last future), apart. ``ctx_switches`` is the process's
 voluntary context switches (all its threads) during the loop: an OpenMP team that stopped
-spin-waiting shows there first.
+spin-waiting shows there first. ``training_wait_s`` / ``training_slices``: how long the training
+thread and its OpenMP workers waited for a core and in how many time slices they ran
+(``/proc/<tid>/schedstat``): a background thread or process that preempts them shows there. The
+second table gives the step time (its save apart) by where the step falls after the last save.
 
 Usage: python bench/nanogpt_loop.py [--iters 600] [--every 10] [--rounds 3] [--cases a,b] [--pythonpath CHECKOUT]
        [--json PATH]
@@ -123,9 +126,15 @@ def _child(case: str, args: argparse.Namespace) -> None:
         ix = torch.randint(len(data) - CONTEXT - 1, (BATCH,))
         return (torch.stack([data[i:i + CONTEXT] for i in ix]), torch.stack([data[i + 1:i + 1 + CONTEXT] for i in ix]))
 
+    x, y = batch()
+    model(x, y).backward()  # (the training thread's OpenMP team exists before its threads are counted)
+    opt.zero_grad(set_to_none=True)
+    steps: list[float] = []
+    sched0 = _training_sched()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     for it in range(args.iters):
+        step_started = time.perf_counter()
         x, y = batch()
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -134,6 +143,7 @@ def _child(case: str, args: argparse.Namespace) -> None:
         state["iter_num"] = it
         due = (it + 1) % args.every == 0
         t0 = time.perf_counter()
+        steps.append(t0 - step_started)
         if case == "torch_save" and due:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": it},
                        os.path.join(folder, "ckpt.pt"))
@@ -157,6 +167,7 @@ def _child(case: str, args: argparse.Namespace) -> None:
         blocked.append(time.perf_counter() - t0)
     loop_s = time.perf_counter() - started
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    sched1 = _training_sched()
     t0 = time.perf_counter()
     if pending is not None:
         pending.result()
@@ -166,7 +177,29 @@ def _child(case: str, args: argparse.Namespace) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     emit_result({"case": case, "loop_s": loop_s, "drain_s": drain_s, "step_ms": 1e3 * loop_s / args.iters,
                  "saves": len(blocked), "blocked_s": sum(blocked), "blocked_ms_median": 1e3 * median(blocked) if blocked else 0.0,
-                 "ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "loss": loss.item()})
+                 "ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "loss": loss.item(),
+                 # a step's time (the save apart) by where it falls after the last save due: 1 = right after
+                 "step_ms_by_position": [1e3 * median(steps[k::args.every]) for k in range(args.every)],
+                 "training_wait_s": (sched1[0] - sched0[0]) / 1e9, "training_slices": sched1[1] - sched0[1]})
+
+
+def _training_sched() -> tuple[int, int]:
+    """Nanoseconds the training thread and its OpenMP workers (every thread that is not another
+    Python thread) waited for a core, and the time slices they ran in (``/proc/<tid>/schedstat``;
+    zeros where there is none). A thread that preempts them shows here."""
+    import threading
+
+    others = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
+    wait = slices = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) not in others:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    _, waited, ran = map(int, f.read().split())
+                wait, slices = wait + waited, slices + ran
+    except OSError:
+        pass
+    return wait, slices
 
 
 def main() -> None:
@@ -201,12 +234,20 @@ def main() -> None:
                      "blocked_ms": median([r["blocked_ms_median"] for r in mine]),
                      "training_s": median([r["loop_s"] - r["blocked_s"] for r in mine]),
                      "ctx_switches": median([r["ctx_switches"] for r in mine]),
+                     "training_wait_s": median([r["training_wait_s"] for r in mine]),
+                     "training_slices": median([r["training_slices"] for r in mine]),
+                     "after_save": " ".join(f"{median([r['step_ms_by_position'][k] for r in mine]):.1f}"
+                                            for k in range(args.every)),
                      "foreign_cpu_pct": max(r["foreign_cpu_pct"] for r in mine)})
     print(markdown_table(rows, [("case", "case", 0), ("loop_s", "loop s (median)", 2), ("vs_none", "x none", 3),
                                 ("loops", "each run's loop s", 0), ("drain_s", "drain s", 2),
                                 ("blocked_ms", "blocked ms / save", 2),
                                 ("training_s", "loop s less blocked", 2), ("ctx_switches", "vol. ctx switches", 0),
                                 ("foreign_cpu_pct", "other CPU % (max)", 1)]))
+    print()
+    print(markdown_table(rows, [("case", "case", 0), ("training_wait_s", "training threads' wait for a core s", 2),
+                                ("training_slices", "their time slices", 0),
+                                ("after_save", "step ms by iteration after the save (1st ... last)", 0)]))
     if args.json:
         write_json(args.json, {"machine": machine_info(), "iters": args.iters, "every": args.every,
                                "rows": rows, "runs": runs})
