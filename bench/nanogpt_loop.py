@@ -39,6 +39,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -187,8 +188,6 @@ def _training_sched() -> tuple[int, int]:
     """Nanoseconds the training thread and its OpenMP workers (every thread that is not another
     Python thread) waited for a core, and the time slices they ran in (``/proc/<tid>/schedstat``;
     zeros where there is none). A thread that preempts them shows here."""
-    import threading
-
     others = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
     wait = slices = 0
     try:

@@ -150,14 +150,19 @@ class LastRestore:
         return f"LastRestore(step={self.step}, source={self.source!r}, seconds={self.seconds:.3f}, bytes={self.bytes})"
 
     def __str__(self) -> str:
-        return f"step {self.step} restored from {self.source} in {self.seconds:.2f} s ({_size(self.bytes)})"
+        return f"step {self.step} restored from {self.source} in {self.seconds:.2f} s ({size_text(self.bytes)})"
 
 
-def _size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} bytes"
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for people: 48 bytes, 12.3 KiB, 1.5 GiB."""
+    if nbytes < 1024:
+        return f"{int(nbytes)} bytes"
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    nbytes /= 1024
+    while nbytes >= 1024 and len(units) > 1:
+        nbytes /= 1024
+        units.pop(0)
+    return f"{nbytes:.1f} {units[0]}"
 
 
 @dataclass

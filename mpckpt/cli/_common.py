@@ -242,13 +242,3 @@ def shorten(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def size_text(nbytes: float) -> str:
-    """``nbytes`` for people: 48 bytes, 12.3 KiB, 1.5 GiB."""
-    if nbytes < 1024:
-        return f"{int(nbytes)} bytes"
-    units = ["KiB", "MiB", "GiB", "TiB"]
-    nbytes /= 1024
-    while nbytes >= 1024 and len(units) > 1:
-        nbytes /= 1024
-        units.pop(0)
-    return f"{nbytes:.1f} {units[0]}"

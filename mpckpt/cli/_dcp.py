@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mpckpt.cli._common import BadArguments, say, say_json, size_text
+from mpckpt._futures import size_text
+from mpckpt.cli._common import BadArguments, say, say_json
 from mpckpt.format.dcp_metadata import METADATA_NAME
 
 NO_CHECKSUMS = "DCP stores no checksums"

@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from mpckpt.cli._common import BadArguments, say, size_text, state_items
+from mpckpt._futures import size_text
+from mpckpt.cli._common import BadArguments, say, state_items
 from mpckpt.errors import MpckptError
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mpckpt._futures import size_text
 from mpckpt.cli import _export_dcp
 from mpckpt.cli._common import (
     BadArguments,
@@ -43,7 +44,6 @@ from mpckpt.cli._common import (
     dotted,
     say,
     shorten,
-    size_text,
     state_items,
 )
 from mpckpt.errors import MpckptError, StateError

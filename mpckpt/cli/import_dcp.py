@@ -28,7 +28,8 @@ import argparse
 import os
 from typing import Any
 
-from mpckpt.cli._common import BadArguments, backend_for, say, scan_quietly, size_text, steps_there
+from mpckpt._futures import size_text
+from mpckpt.cli._common import BadArguments, backend_for, say, scan_quietly, steps_there
 from mpckpt.errors import StepOrderError
 from mpckpt.format.dcp_metadata import METADATA_NAME, is_dcp_folder
 from mpckpt.storage import open_backend, spec_for_url

@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mpckpt._futures import size_text
 from mpckpt._read.skeleton import read_rank_skeletons, read_skeleton
 from mpckpt._read.sources import StorageSource
 from mpckpt.cli import _dcp
@@ -36,7 +37,6 @@ from mpckpt.cli._common import (
     say,
     say_json,
     shorten,
-    size_text,
     state_items,
     total_bytes,
 )
