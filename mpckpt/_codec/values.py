@@ -2,7 +2,7 @@
 
 Owns the skeleton nodes of numpy arrays and scalars, namedtuples, sets and frozensets, Enum
 members, pathlib paths, ``datetime`` values (datetime, date, time, timedelta; time zones
-included), dataclass instances and OrderedDicts: ``encode`` on the save path, ``decode`` on the
+included), dataclass instances, OrderedDicts and ``io.BytesIO`` buffers: ``encode`` on the save path, ``decode`` on the
 load path. The flattener (``snapshot``) asks ``encode`` about every value whose type is not one
 it stores itself (``PLAIN``), before its own checks, so that subclasses of int, float, str and
 dict (IntEnum, ``numpy.float64``, OrderedDict) keep their type.
@@ -19,6 +19,7 @@ Nodes (``{"__mpckpt__": tag, ...}``; ``module``/``qualname`` name a class):
     path        cls (PurePosixPath, PureWindowsPath, PosixPath, WindowsPath), v: the path as text
     datetime, time   v: ISO text without the zone, tz ({offset: [d, s, us], name?} | {zone: key}), fold
     date        v: ISO text;  timedelta   v: [days, seconds, microseconds]
+    bytesio     v: the buffer's bytes (base64), pos: its position (an ``io.BytesIO``: DCP's raw bytes items)
 
 Invariants:
 
@@ -41,10 +42,12 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import datetime as dt
 import enum
+import io
 import pathlib
 import re
 import sys
@@ -61,7 +64,7 @@ TAG = "__mpckpt__"  # the key that marks a tagged node in a skeleton tree
 PLAIN = frozenset({type(None), bool, int, float, str, bytes, bytearray, dict, list, tuple,
                    torch.dtype, torch.Size, torch.device})
 TAGS = frozenset({"ndarray", "npscalar", "namedtuple", "dataclass", "enum", "set", "frozenset", "odict", "path",
-                  "datetime", "date", "time", "timedelta"})
+                  "datetime", "date", "time", "timedelta", "bytesio"})
 
 # numpy dtype (without its byte order) -> the tensor dtype that holds it
 _NUMPY_TENSOR = {
@@ -127,6 +130,8 @@ def encode(f: Visitor, value: Any, path: str) -> Any:
             TAG: kind.__name__, "v": [f.visit(x, path_of(p, i)) for i, x in enumerate(v)]})
     if kind in _PATHS.values():
         return {TAG: "path", "cls": kind.__name__, "v": str(value)}
+    if kind is io.BytesIO:
+        return {TAG: "bytesio", "v": base64.b64encode(value.getbuffer()).decode(), "pos": value.tell()}
     if kind is dt.timedelta:
         return {TAG: "timedelta", "v": [value.days, value.seconds, value.microseconds]}
     if kind is dt.date:
@@ -247,6 +252,10 @@ def decode(node: dict[str, Any], tag: str, path: str, r: Reader) -> Any:
             return _PATHS[name](text)
         except NotImplementedError:  # WindowsPath on POSIX and the reverse: the pure class holds it
             return _PURE[name](text)
+    if tag == "bytesio":
+        buffer = io.BytesIO(base64.b64decode(_str(node["v"]), validate=True))
+        buffer.seek(_ints([node["pos"]], 1)[0])
+        return buffer
     if tag == "timedelta":
         days, seconds, micro = _ints(node["v"], 3)
         return dt.timedelta(days=days, seconds=seconds, microseconds=micro)

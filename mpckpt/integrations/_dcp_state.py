@@ -12,8 +12,9 @@ held items into the state ``Checkpointer.save`` takes:
   plain tensor;
 * a bytes item (DCP serializes every value that is not a tensor with ``torch.save``) becomes
   the value itself, taken from the planner before DCP serializes it (``lookup_object``), so it
-  is stored as mpckpt stores values (JSON in the skeleton; a value mpckpt cannot store without
-  pickle is refused, naming its key, unless the Checkpointer has ``allow_pickle=True``);
+  is stored as mpckpt stores values (JSON in the skeleton; an ``io.BytesIO``, DCP's raw bytes,
+  as its bytes, handed back as an ``io.BytesIO`` at its position; a value mpckpt cannot store
+  without pickle is refused, naming its key, unless the Checkpointer has ``allow_pickle=True``);
 * the flat ``fqn -> value`` dict DCP works with is nested again by the planner's ``mappings``
   (DCP's own ``unflatten_state_dict``), so the checkpoint holds the state as the caller gave
   it to DCP: ``mpckpt.load`` returns it nested, and DCP's ``flatten_state_dict`` of what

@@ -21,6 +21,7 @@ MASTER_PORT set) as ``dcp_worker.py SCENARIO ROOT OUT``; what the ranks saw goes
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import signal
 from pathlib import Path
@@ -63,7 +64,7 @@ def save(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
         for step in (1, 2):
             train_step(model, opt, step, rank)
             sd_model, sd_optim = get_state_dict(model, opt)
-            state = {"model": sd_model, "optim": sd_optim, "step": step}
+            state = {"model": sd_model, "optim": sd_optim, "step": step, "blob": io.BytesIO(b"\x00raw\xff%d" % step)}
             planner = DefaultSavePlanner(enable_plan_caching=True)  # step 2's local plans come from DCP's cache
             if step == 1:
                 future = dcp.async_save(state, storage_writer=StorageWriter(ckpt, step), process_group=dcp_group,
@@ -88,8 +89,9 @@ def load(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
     train_step(model, opt, 0, rank)  # DCP's optimizer state dict of a fresh optimizer needs its state made
     with mpckpt.Checkpointer(args.root, workers=1, timeout_s=60) as ckpt:
         sd_model, sd_optim = get_state_dict(model, opt)
-        state = {"model": sd_model, "optim": sd_optim, "step": -1}
+        state = {"model": sd_model, "optim": sd_optim, "step": -1, "blob": None}
         dcp.load(state, storage_reader=StorageReader(ckpt), checkpoint_id="step_0000000002")
+        assert isinstance(state["blob"], io.BytesIO), type(state["blob"])  # DCP's raw bytes, stored without pickle
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         dumped = full_flat(model, opt)
         if rank == 0:
@@ -102,6 +104,7 @@ def load(args: argparse.Namespace, rank: int, world: int, out: Path) -> None:
         if rank == 0:
             torch.save(dumped, out / f"loaded-native-w{world}.pt")
         write_json(out / f"load-r{rank}.json", {"step": state["step"], "native_step": native["step"],
+                                                "blob": state["blob"].getvalue().hex(),
                                                 "latest": ckpt.latest_step})
 
 

@@ -4,6 +4,8 @@ real processes (torchrun, gloo on CPU) and real servers (moto's S3, Azurite).
 - One process: ``dcp.save`` then ``dcp.load`` bit for bit; the checkpoint is an ordinary one
   (``mpckpt.load`` nested as given to DCP, ``mpckpt verify``, retention, ``restore`` from the snapshot kept
   in memory); ``checkpoint_id`` names a step; a checkpoint ``ckpt.save`` wrote reads through DCP too.
+- DCP's raw bytes items (an ``io.BytesIO`` value) stored without pickle, handed back as ``io.BytesIO``,
+  in one process and at 2, 1 and 3 ranks.
 - A ``.metadata`` pickle planted in the root and in the checkpoint folder is never unpickled.
 - FSDP2 on 2 ranks saving with ``dcp.async_save``, loaded at 1 and 3 ranks into fresh models and
   optimizers (``get_state_dict`` / ``set_state_dict``), bit for bit; and a multi-rank checkpoint of
@@ -17,6 +19,7 @@ real processes (torchrun, gloo on CPU) and real servers (moto's S3, Azurite).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import pickle
 import signal
@@ -86,6 +89,23 @@ def test_one_process_saves_and_loads_bit_exactly_as_an_ordinary_checkpoint(tmp_p
         assert ckpt.restore({"model": again, "epoch": 0, "name": ""}, strict=False) == 20
         assert ckpt.last_restore is not None and ckpt.last_restore.source == "memory"
     assert_same(again.state_dict(), saved["model"])
+
+
+def test_dcp_bytes_items_are_stored_as_raw_bytes_and_come_back_as_bytesio(tmp_path):
+    blob = io.BytesIO(b"\x00raw\xffbytes, not a pickle")
+    blob.seek(4)
+    with mpckpt.Checkpointer(tmp_path, workers=1) as ckpt:  # allow_pickle is off
+        dcp.save({"x": torch.arange(4.0), "blob": blob, "empty": io.BytesIO()}, storage_writer=StorageWriter(ckpt, 1))
+        ckpt.wait()
+        target: dict[str, Any] = {"x": torch.zeros(4), "blob": None, "empty": None}
+        dcp.load(target, storage_reader=StorageReader(ckpt))
+    skeleton = (tmp_path / "step_0000000001" / "skeleton.json").read_text()
+    assert '"pickle"' not in skeleton and '"bytesio"' in skeleton
+    for got in (target, mpckpt.load(tmp_path)):
+        assert isinstance(got["blob"], io.BytesIO) and isinstance(got["empty"], io.BytesIO)
+        assert got["blob"].getvalue() == blob.getvalue() and got["blob"].tell() == 4
+        assert got["empty"].getvalue() == b""
+        assert torch.equal(got["x"], torch.arange(4.0))
 
 
 def test_a_checkpoint_of_ckpt_save_loads_through_dcp(tmp_path):
@@ -224,7 +244,7 @@ def test_fsdp2_async_save_at_two_ranks_loads_at_one_and_three_bit_exactly(fsdp2_
         native = torch.load(tmp_path / f"out-{world}" / f"loaded-native-w{world}.pt")
         assert_same(native, {k: v for k, v in full.items() if k.startswith("model.")})
         seen = [json.loads((tmp_path / f"out-{world}" / f"load-r{r}.json").read_text()) for r in range(world)]
-        assert all(s["step"] == 2 and s["native_step"] == 3 for s in seen), seen
+        assert all(s["step"] == 2 and s["native_step"] == 3 and s["blob"] == b"\x00raw\xff2".hex() for s in seen), seen
 
 
 def test_a_rank_killed_inside_dcp_save_commits_nothing(tmp_path):

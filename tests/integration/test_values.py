@@ -17,6 +17,7 @@ import dataclasses
 import datetime as dt
 import enum
 import importlib
+import io
 import json
 import pathlib
 import sys
@@ -116,7 +117,14 @@ def make_state(seed: int) -> dict:
         "outer": Outer(Schedule(1.0, torch.zeros(1) + seed), Color.RED,
                        collections.OrderedDict([("z", seed), ("a", 2), ("m", 3)])),
         "ordered": collections.OrderedDict([("second", torch.ones(2) * seed), ("first", 1)]),
+        "buffer": _buffer(bytes(range(seed, seed + 40)) + b"\xff\x00", 5 + seed),  # raw bytes, no pickle
     }
+
+
+def _buffer(data: bytes, position: int) -> io.BytesIO:
+    buffer = io.BytesIO(data)
+    buffer.seek(position)
+    return buffer
 
 
 def assert_equal(a, b, path="") -> None:
@@ -140,6 +148,8 @@ def assert_equal(a, b, path="") -> None:
             assert_equal(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (path, a, b)
+    elif isinstance(a, io.BytesIO):
+        assert a.getvalue() == b.getvalue() and a.tell() == b.tell(), (path, a.getvalue(), b.getvalue())
     elif isinstance(a, dt.datetime | dt.time):
         assert a == b and a.fold == b.fold and a.tzinfo == b.tzinfo and a.tzname() == b.tzname(), (path, a, b)
     else:
