@@ -34,6 +34,7 @@ __all__ = [
     "Trigger",
     "UploadMode",
     "errors",
+    "export_hf",
     "load",
     "__version__",
 ]
@@ -45,6 +46,8 @@ _WHERE = {
     "Checkpoint": "mpckpt.checkpoint",
     "Checkpointer": "mpckpt.checkpointer",
     "load": "mpckpt._read.view",
+    "init_process_group": "mpckpt.process_group",
+    "export_hf": "mpckpt.cli.export",
     "KeepBest": "mpckpt.policies",
     "KeepEvery": "mpckpt.policies",
     "KeepInterval": "mpckpt.policies",
