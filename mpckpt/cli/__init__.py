@@ -21,6 +21,10 @@
                                 the state as a torch.distributed.checkpoint folder that
                                 dcp.load(state_dict, checkpoint_id=DIR) reads, unsharded or
                                 sharded; DIR must be new or empty
+    mpckpt export ROOT [STEP|latest] --to DIR --format hf [--prefix model.] [--max-shard-size 5GB]
+                                one model as a Hugging Face folder from_pretrained(DIR) reads:
+                                model.safetensors, or shards and their index past the size,
+                                config.json when the checkpoint holds it; DIR new or empty
     mpckpt stats ROOT [--plot FILE.png]
                                 what each save cost (blocked, persist, bytes, MB/s), as recorded
                                 in its manifest
@@ -66,7 +70,7 @@ paragraph about the code: ``INVARIANT``, ``This module``) as plain text: the dou
 backticks dropped, paragraphs wrapped to the terminal, the indented table kept as written.
 Each command is one module with a ``run(args) -> int`` (``ls``, ``info``, ``verify``,
 ``export``, ``import_dcp``, ``stats``, ``gc``, ``rm``; a module's ``_`` is the command's ``-``;
-``_dcp`` and ``_export_dcp`` serve ``info``, ``verify`` and ``export`` for DCP folders); ``_common`` holds what they share: the escaping,
+``_dcp`` and ``_export_dcp`` serve ``info``, ``verify`` and ``export`` for DCP folders, ``_export_hf`` ``export --format hf``); ``_common`` holds what they share: the escaping,
 opening a root, finding a step, turning an ``MpckptError`` into exit status 1
 (``BadArguments``: 2), times, sizes and dotted paths; ``_roots`` finds the checkpoint roots
 below a folder that holds none.
@@ -110,16 +114,20 @@ def _parser() -> argparse.ArgumentParser:
     p = command(verify, "check that checkpoints would load")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--step", type=_step, help="check this step only")
-    p = command(export, "write one checkpoint's state to a .safetensors or .pt file")
+    p = command(export, "write one checkpoint's state to a .safetensors or .pt file, a DCP or Hugging Face folder")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
     p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt; "
-                   "with --format dcp, a new or empty folder")
-    p.add_argument("--format", choices=["dcp"], help="dcp: a torch.distributed.checkpoint folder that dcp.load reads "
-                   "(default: from the suffix of --to)")
+                   "with --format dcp or hf, a new or empty folder")
+    p.add_argument("--format", choices=["dcp", "hf"], help="dcp: a torch.distributed.checkpoint folder that dcp.load "
+                   "reads; hf: a Hugging Face model folder that from_pretrained reads (default: from the suffix of --to)")
     p.add_argument("--prefix", metavar="PATH", help="export only this part of the state (e.g. model.), "
-                   "the prefix stripped from every name")
-    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+                   "the prefix stripped from every name; with --format hf, needed when the state holds more than "
+                   "one model's weights ('' for the whole state)")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="with --format hf: the most bytes per weights file, as "
+                   "save_pretrained takes it (5GB, 500MB; default 5GB): past it, sharded files and an index")
+    p.add_argument("--force", action="store_true", help="replace FILE if it exists (with --format hf, a folder of "
+                   "model files only)")
     p.add_argument("--copy-tied", action="store_true", help="write every name of a tied tensor with its own "
                    "copy (default: keep the first, list the others in the metadata, as safetensors does)")
     p.add_argument("--allow-pickle", action="store_true", help="load pickled values (runs code from storage)")

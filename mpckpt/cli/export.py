@@ -8,6 +8,10 @@ exports only that part of the state, the prefix stripped from every name, so a m
 weights go straight to ``load_state_dict`` or ``from_pretrained``. ``--format dcp`` writes
 the state as a torch.distributed.checkpoint folder instead (``--to DIR``, new or empty) that
 ``dcp.load(state_dict, checkpoint_id=DIR)`` reads into an unsharded or sharded state.
+``--format hf`` writes one model as a Hugging Face model folder (``--to DIR``, new or empty) that
+``from_pretrained(DIR)`` reads: ``model.safetensors`` or shards past ``--max-shard-size`` and
+their index, with the ``config.json`` the checkpoint holds (see ``_export_hf``);
+``mpckpt.export_hf`` does it from Python.
 
 Tensors that share storage (tied weights) are written the way ``safetensors.torch.save_model``
 and transformers write them: of names that are the same tensor, the first in state order is
@@ -27,15 +31,16 @@ nothing, a suffix or dtype the format cannot hold) are status 2; damage is statu
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mpckpt._futures import size_text
-from mpckpt.cli import _export_dcp
+from mpckpt.cli import _export_dcp, _export_hf
 from mpckpt.cli._common import (
     BadArguments,
     backend_for,
@@ -58,27 +63,20 @@ _SAFETENSORS_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "in
 
 def run(args: argparse.Namespace) -> int:
     target = Path(args.to)
-    kind = "dcp" if getattr(args, "format", None) == "dcp" else _SUFFIXES.get(target.suffix.lower())
+    fmt = getattr(args, "format", None)
+    if fmt == "hf":
+        return _run_hf(args, target)
+    if getattr(args, "max_shard_size", None) is not None:
+        raise BadArguments("--max-shard-size is for --format hf (a Hugging Face folder) only")
+    kind = "dcp" if fmt == "dcp" else _SUFFIXES.get(target.suffix.lower())
     if kind is None:
         raise BadArguments(f"--to {args.to}: name a .safetensors file (tensors by dotted path) or a .pt file "
-                           "(the nested state, torch.save'd), or pass --format dcp and a folder")
+                           "(the nested state, torch.save'd), or pass --format dcp or --format hf and a folder")
     if kind == "dcp":  # a folder DCP reads: _export_dcp checks the target and writes it
         _export_dcp.check_target(target)
     else:
         _check_target(target, force=args.force)
-    backend = backend_for(args.root, args.storage_options)
-    manifest = chosen_step(backend, args.step)
-    step = manifest.step
-    if manifest.kind != "state":
-        raise BadArguments(f"step {step} is a directory checkpoint (files written by you, not a state); "
-                           "read them with Checkpointer(root, read_only=True).checkpoint(step).as_directory()")
-    from mpckpt._read.load import load_checkpoint
-
-    try:
-        state = load_checkpoint(backend, checkpoint_name(step), manifest, allow_pickle=args.allow_pickle)
-    except StateError as e:  # a pickled value refused, a class this machine lacks: not damage
-        hint = " (mpckpt export --allow-pickle)" if "pickle" in str(e) else ""
-        raise BadArguments(f"step {step}: {e}{hint}") from e
+    step, state = _load(args.root, args.step, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
     state = subtree(state, args.prefix or "", step=step)
     if kind == "dcp":
         _export_dcp.write(target, state, what=f"step {step}{_part(args.prefix)}")
@@ -97,13 +95,96 @@ def run(args: argparse.Namespace) -> int:
     _write(target, lambda path: _save_safetensors(tensors, metadata, path), force=args.force)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     say(f"wrote {target}: step {step}{_part(args.prefix)}, {len(tensors)} tensors, {size_text(size)}")
+    _say_left_out(dropped, skipped)
+    return 0
+
+
+def export_hf(root: str | os.PathLike[str], step: int | None = None, *, to: str | os.PathLike[str],
+              prefix: str | None = None, max_shard_size: int | str = _export_hf.DEFAULT_MAX_SHARD_SIZE,
+              force: bool = False, copy_tied: bool = False, allow_pickle: bool = False,
+              storage_options: Mapping[str, Any] | None = None) -> Path:
+    """Write a committed checkpoint's model (the newest without ``step``) as a Hugging Face model
+    folder ``to`` that ``from_pretrained(to)`` reads; return its path. ``mpckpt export ROOT STEP
+    --to DIR --format hf`` from Python.
+
+    ``prefix`` (``"model."``) names the part of the state that is the model's weights; without it,
+    the state must be one model's weights itself (a state that holds more is a ``ConfigError``
+    naming the parts that are; ``prefix=""`` takes every tensor of the state). The weights go to
+    ``model.safetensors``, or to shards of at most ``max_shard_size`` (``"5GB"``, ``"500MB"``,
+    bytes) and ``model.safetensors.index.json``, as ``save_pretrained`` writes them; tied names are
+    left out (``copy_tied=True``: written each as its own copy); ``config.json`` and
+    ``generation_config.json`` come along when the checkpoint holds them (``MpckptCallback``'s
+    saves do). ``to`` must be a new or empty folder (``force=True``: or a folder of model files
+    only, replaced whole); it appears whole or not at all. Bad arguments (an unknown step, a
+    prefix that names nothing, a folder in the way) raise ``ConfigError`` before anything is
+    written; a damaged checkpoint, ``CorruptCheckpointError``.
+    """
+    options = json.dumps(dict(storage_options)) if storage_options is not None else None
+    return _hf(os.fspath(root), step, Path(to), prefix=prefix, max_shard_size=max_shard_size, force=force,
+               copy_tied=copy_tied, allow_pickle=allow_pickle, storage_options=options)[0].folder
+
+
+def _run_hf(args: argparse.Namespace, target: Path) -> int:
+    """``--format hf``: the folder, then what was written and what was left out."""
+    max_shard_size = args.max_shard_size if args.max_shard_size is not None else _export_hf.DEFAULT_MAX_SHARD_SIZE
+    written, step, dropped, skipped = _hf(args.root, args.step, target, prefix=args.prefix,
+                                          max_shard_size=max_shard_size, force=args.force, copy_tied=args.copy_tied,
+                                          allow_pickle=args.allow_pickle, storage_options=args.storage_options)
+    shards = len([f for f in written.files if f.endswith(".safetensors")])
+    say(f"wrote {target}: step {step}{_part(args.prefix)} as a Hugging Face model folder, {written.tensors} tensors, "
+        f"{size_text(written.bytes)} in {shards} file{'s' if shards > 1 else ''}"
+        f"{f' (index: {_export_hf.INDEX_NAME})' if shards > 1 else ''}; from_pretrained({str(target)!r}) reads it")
+    if written.config_files:
+        say(f"with {' and '.join(written.config_files)} from the checkpoint")
+    else:
+        say(f"the checkpoint holds no config.json: put the model's config.json into {target} "
+            "(model.config.save_pretrained(DIR)) before from_pretrained")
+    _say_left_out(dropped, skipped)
+    return 0
+
+
+def _hf(root: str, step: int | None, target: Path, *, prefix: str | None, max_shard_size: int | str, force: bool,
+        copy_tied: bool, allow_pickle: bool,
+        storage_options: str | None) -> tuple[_export_hf.Written, int, dict[str, str], list[str]]:
+    """The Hugging Face folder of ``root``'s ``step``: what was written, the step, the tied names
+    left out, the values that are not tensors left out."""
+    max_bytes = _export_hf.max_shard_bytes(max_shard_size)  # bad arguments before anything is read
+    _export_hf.check_target(target, force=force)
+    chosen, state = _load(root, step, storage_options=storage_options, allow_pickle=allow_pickle)
+    configs = _export_hf.config_texts(state)
+    part = _export_hf.model_part(state, step=chosen) if prefix is None else subtree(state, prefix, step=chosen)
+    tensors, skipped = tensors_by_name(part)
+    if not tensors:
+        raise BadArguments(f"step {chosen}{_part(prefix)} holds no tensors; nothing to export")
+    tensors, dropped = untie(tensors, copy_tied=copy_tied)
+    written = _export_hf.write(target, tensors, dropped=dropped, configs=configs, max_bytes=max_bytes, force=force)
+    return written, chosen, dropped, skipped
+
+
+def _load(root: str, step: int | None, *, storage_options: str | None, allow_pickle: bool) -> tuple[int, Any]:
+    """The committed ``step`` of ``root`` (the newest for None), loaded as ``mpckpt.load`` does."""
+    backend = backend_for(root, storage_options)
+    manifest = chosen_step(backend, step)
+    if manifest.kind != "state":
+        raise BadArguments(f"step {manifest.step} is a directory checkpoint (files written by you, not a state); "
+                           "read them with Checkpointer(root, read_only=True).checkpoint(step).as_directory()")
+    from mpckpt._read.load import load_checkpoint
+
+    try:
+        return manifest.step, load_checkpoint(backend, checkpoint_name(manifest.step), manifest,
+                                              allow_pickle=allow_pickle)
+    except StateError as e:  # a pickled value refused, a class this machine lacks: not damage
+        hint = " (mpckpt export --allow-pickle)" if "pickle" in str(e) else ""
+        raise BadArguments(f"step {manifest.step}: {e}{hint}") from e
+
+
+def _say_left_out(dropped: Mapping[str, str], skipped: list[str]) -> None:
     if dropped:
         pairs = ", ".join(f"{name} -> {kept}" for name, kept in dropped.items())
         say(shorten(f"tied names left out (the same tensor; listed in the file's metadata): {pairs}", 2000))
     if skipped:
         say(shorten(f"{len(skipped)} values that are not tensors left out (a .pt file keeps them): "
                     f"{', '.join(skipped)}", 400))
-    return 0
 
 
 def _part(prefix: str | None) -> str:
