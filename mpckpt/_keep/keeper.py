@@ -43,13 +43,14 @@ from collections.abc import Callable
 from typing import Any
 
 from mpckpt._keep.agreement import JobAgreement, to_hold
-from mpckpt._keep.digest import SpanHasher, hash_span, with_checksums
+from mpckpt._keep.digest import with_checksums
 from mpckpt._keep.record import UNKNOWN, KeptRecord, Span
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
 from mpckpt._stage.arena import Arena, Slab
 from mpckpt._stage.shm import Segment
 from mpckpt._threads import executor
+from mpckpt.format.checksums import FileHasher, file_checksums
 from mpckpt.format.manifest import Manifest, _json_safe_metrics
 
 log = logging.getLogger("mpckpt")
@@ -170,13 +171,13 @@ class Keeper:
             self._agreeing.submit(self._agree, record.step)
 
     # -- keeping a new snapshot ------------------------------------------------------------------
-    def hashers(self, shards: list[Any], block_size: int) -> list[SpanHasher]:
+    def hashers(self, shards: list[Any], block_size: int) -> list[FileHasher]:
         """One hasher per shard file, for a copy that hashes as it goes (``copy_wave_fed``)."""
-        return [SpanHasher(s.header, block_size) for s in shards]
+        return [FileHasher(s.header, block_size) for s in shards]
 
     def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
              small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
-             hashed: list[SpanHasher] | None = None, pending: bool = False,
+             hashed: list[FileHasher] | None = None, pending: bool = False,
              uploaded: concurrent.futures.Future[dict[str, str]] | None = None,
              ) -> concurrent.futures.Future[int] | None:
         """``slab`` holds the complete snapshot of ``step`` (``shards``: the layout's ``ShardPlan``s;
@@ -201,7 +202,7 @@ class Keeper:
             view = memoryview(slab.segment.mmap)
             try:
                 digests = list(self.pool.map(
-                    lambda s: hash_span(s.header, view[s.offset:s.offset + s.nbytes], block_size), shards))
+                    lambda s: file_checksums(s.header, view[s.offset:s.offset + s.nbytes], block_size), shards))
             finally:
                 view.release()
         spans = {s.filename: Span(s.header, s.offset, s.nbytes, d, b) for s, (d, b) in zip(shards, digests, strict=True)}
@@ -320,7 +321,7 @@ class Keeper:
                 return None
             view = memoryview(slab.segment.mmap)
             try:
-                return hash_span(span.header, view[span.offset:span.offset + span.nbytes], 0)[0]
+                return file_checksums(span.header, view[span.offset:span.offset + span.nbytes], 0)[0]
             finally:
                 view.release()
 

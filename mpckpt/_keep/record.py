@@ -30,9 +30,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format import checksums
 from mpckpt.format.manifest import FileEntry, Manifest, checksum, format_version_for
 from mpckpt.format.names import check_relpath
 
@@ -135,7 +134,7 @@ class KeptRecord:
                 out += [b'"', texts[int(index)], b'"', rest.encode()]
             return out
 
-        hasher = xxhash.xxh3_64()
+        hasher = checksums.hasher()
         for piece in spliced(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)):
             hasher.update(piece)
         body["record_checksum"] = hasher.hexdigest()

@@ -51,13 +51,13 @@ import time
 from typing import Any
 
 from mpckpt._keep.agreement import to_hold
-from mpckpt._keep.digest import hash_span
 from mpckpt._keep.record import KeptRecord
 from mpckpt._keep.store import PEER_PREFIX, KeptStore, data_path
 from mpckpt._peer.link import CHUNK_BYTES, PROGRESS_S, Link, as_bytes, ints
 from mpckpt._peer.rounds import Rounds
 from mpckpt._stage.arena import Arena, Slab
 from mpckpt._threads import Thread
+from mpckpt.format.checksums import file_checksums
 
 log = logging.getLogger("mpckpt")
 _TAG = 7          # replication data, per (sender, receiver) pair: one transfer at a time
@@ -479,7 +479,7 @@ def _wrong(record: KeptRecord, url: str, src: int, size: int, data: mmap.mmap) -
         for rel, span in record.spans.items():
             if span.offset + span.nbytes > size:
                 return f"{rel} lies past the {size} bytes received"
-            if hash_span(span.header, view[span.offset:span.offset + span.nbytes], 0)[0] != span.checksum:
+            if file_checksums(span.header, view[span.offset:span.offset + span.nbytes], 0)[0] != span.checksum:
                 return f"{rel} does not match its checksum"
     finally:
         view.release()

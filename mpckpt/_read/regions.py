@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._progress import reading_bar
@@ -36,6 +35,7 @@ from mpckpt._read.sources import Source
 from mpckpt._read.verified import checked_size, memory, read_header
 from mpckpt._threads import executor
 from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.checksums import checksum
 from mpckpt.format.safetensors import ITEMSIZE, ParsedHeader
 
 _WINDOW = 64 << 20  # most bytes one request reads (and one thread holds)
@@ -143,7 +143,7 @@ class _Files:
 
     @staticmethod
     def _check(location: str, k: int, view: memoryview, digests: list[str], block_size: int) -> None:
-        if xxhash.xxh3_64(view).hexdigest() != digests[k]:  # (xxhash releases the GIL)
+        if checksum(view) != digests[k]:  # (xxhash releases the GIL)
             raise CorruptCheckpointError(f"{location}: block {k} (bytes {k * block_size}+) does not match its "
                                          "checksum; the file is damaged", path=location)
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import xxhash
 
 from mpckpt._read.sources import Source
 from mpckpt._threads import executor
 from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from mpckpt.format import checksums
 from mpckpt.format.safetensors import ParsedHeader, header_length, parse_header
 
 STREAM_CHUNK = 16 << 20  # stream_verified's buffers (two: one is read while the other is used)
@@ -99,7 +99,7 @@ def stream_verified(source: Source, relpath: str, sink: Callable[[memoryview], o
         source.read_into(relpath, start, view)
         return view
 
-    hasher = xxhash.xxh3_64()
+    hasher = checksums.hasher()
     with executor(1, "mpckpt-stream") as ahead:
         pending = ahead.submit(read, 0) if count else None
         for k in range(count):

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xxhash
 
 from mpckpt import _dtypes
 from mpckpt._progress import reading_bar
@@ -50,6 +49,7 @@ from mpckpt._read.sources import Source
 from mpckpt._read.verified import check_digest, checked_size, memory, read_header, stream_verified
 from mpckpt._threads import executor
 from mpckpt.errors import CorruptCheckpointError, add_note
+from mpckpt.format.checksums import hasher
 from mpckpt.format.safetensors import ParsedHeader
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class _OrderedHash:
     the calling thread after them (where, on few cores, it was the tail of every restore)."""
 
     def __init__(self, head: bytes, count: int) -> None:
-        self.hasher = xxhash.xxh3_64(head)
+        self.hasher = hasher(head)
         self.count = count      # chunks in the shard
         self.hashed = 0         # chunks hashed so far (in file order)
         self._ready: dict[int, memoryview] = {}

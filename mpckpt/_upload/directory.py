@@ -24,10 +24,11 @@ from typing import Any
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._futures import SaveStats
 from mpckpt._upload.pool import Job, UploaderPool
-from mpckpt._upload.worker import UploadJob, file_digest
+from mpckpt._upload.worker import UploadJob
 from mpckpt.checkpoint import Checkpoint, local_files
 from mpckpt.config import Config, UploadMode
 from mpckpt.errors import ConfigError
+from mpckpt.format.checksums import file_digest
 from mpckpt.format.manifest import FileEntry
 from mpckpt.format.names import USER_FILES
 from mpckpt.storage import Backend

@@ -33,14 +33,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from mpckpt._preemption import JOB_SIGNALS
 from mpckpt._stage.shm import Segment
 from mpckpt.errors import add_note
+from mpckpt.format.checksums import file_checksums, file_digest
 from mpckpt.storage import BackendSpec, open_backend
-
-_HASH_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -183,17 +180,13 @@ class _Worker:
         seg = self.segment(job.segment, job.segment_size)
         data = memoryview(seg.mmap)[job.offset:job.offset + job.length]
         try:
-            digest = xxhash.xxh3_64(job.header)
-            for pos in range(0, len(data), _HASH_CHUNK):
-                digest.update(data[pos:pos + _HASH_CHUNK])
-            blocks = block_digests([job.header, data], job.block_size) if job.block_size else None
+            digest, blocks = file_checksums(job.header, data, job.block_size)  # one pass: whole and blocks
             self.backend.write_file(job.relpath, [job.header, data])
         finally:
             data.release()
-        result = {"size": len(job.header) + job.length, "checksum": digest.hexdigest(),
-                  "seconds": time.perf_counter() - started}
-        if blocks is not None:
-            result["blocks"] = blocks
+        result = {"size": len(job.header) + job.length, "checksum": digest, "seconds": time.perf_counter() - started}
+        if job.block_size:
+            result["blocks"] = list(blocks)
         return result
 
     def upload(self, job: UploadJob) -> dict[str, Any]:
@@ -201,38 +194,6 @@ class _Worker:
         size, checksum = file_digest(job.local_path)
         self.backend.upload_file(job.relpath, job.local_path)
         return {"size": size, "checksum": checksum, "seconds": time.perf_counter() - started}
-
-
-def block_digests(parts: list[Any], block_size: int) -> list[str]:
-    """xxh3-64 of every ``block_size`` bytes of the concatenation of ``parts`` (the last block
-    may be shorter; an empty file has none)."""
-    out: list[str] = []
-    digest, filled = xxhash.xxh3_64(), 0
-    for part in parts:
-        view = memoryview(part).cast("B")
-        pos = 0
-        while pos < len(view):
-            take = min(block_size - filled, len(view) - pos)
-            digest.update(view[pos:pos + take])
-            filled += take
-            pos += take
-            if filled == block_size:
-                out.append(digest.hexdigest())
-                digest, filled = xxhash.xxh3_64(), 0
-    if filled:
-        out.append(digest.hexdigest())
-    return out
-
-
-def file_digest(path: str) -> tuple[int, str]:
-    """Size and xxh3-64 checksum of a local file, read in chunks (never whole)."""
-    digest = xxhash.xxh3_64()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
 
 
 def process_alive(pid: int) -> bool:

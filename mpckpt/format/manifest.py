@@ -29,9 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from mpckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from mpckpt.format.checksums import checksum
 from mpckpt.format.names import (  # noqa: F401 -- re-exported: the names of the format
     MANIFEST_NAME,
     SKELETON_NAME,
@@ -72,10 +71,6 @@ def format_version_for(kind: str, files: Mapping[str, FileEntry] | None = None, 
     if files is not None and any(e.shared is not None for e in files.values()):
         return 3
     return 2 if kind == "directory" else 1
-
-
-def checksum(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64(data).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt._keep.digest import hash_span
 from mpckpt._keep.record import KeptRecord
+from mpckpt.format.checksums import file_checksums
 from tests.conftest import assert_same
 from tests.nodes import Cluster, Job, Node, namespaces_unavailable
 
@@ -143,7 +143,7 @@ def assert_whole(node: Node, record: KeptRecord) -> None:
     data = node.shm_path(record.data).read_bytes()
     for rel, span in record.spans.items():
         assert span.offset + span.nbytes <= len(data), rel
-        got = hash_span(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
+        got = file_checksums(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
         assert got == span.checksum, rel
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from mpckpt._keep.digest import hash_span
 from mpckpt._keep.keeper import Keeper
 from mpckpt._keep.store import read_kept
 from mpckpt._stage import written
 from mpckpt._stage.arena import Arena
+from mpckpt.format.checksums import file_checksums
 
 MiB = 1 << 20
 BOUND_S = 30.0  # an upper bound for things that must happen; never what a test measures
@@ -56,7 +56,7 @@ def _keep(keeper: Keeper, arena: Arena, uploaded: concurrent.futures.Future | No
 
 
 def _real(shard: Shard, i: int) -> str:
-    return hash_span(shard.header, memoryview(bytes([i + 1]) * shard.nbytes), 0)[0]
+    return file_checksums(shard.header, memoryview(bytes([i + 1]) * shard.nbytes), 0)[0]
 
 
 def test_the_uploads_checksums_complete_the_record_and_only_the_rest_is_hashed(kept) -> None:

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
-from mpckpt._keep.digest import hash_span, with_checksums
+from mpckpt._keep.digest import with_checksums
 from mpckpt._keep.record import UNKNOWN, KeptRecord, Span
 from mpckpt.errors import CorruptCheckpointError
+from mpckpt.format.checksums import file_checksums
 from mpckpt.format.manifest import checksum
 
 
@@ -76,11 +77,11 @@ def test_a_single_process_record_may_be_published_before_its_checksums() -> None
 def test_a_pending_record_is_completed_with_the_checksums_given() -> None:
     data = bytes(range(256)) * 16  # 4,096 bytes: four files of 1,000
     r = single([None, None, "stale-is-kept-as-is", None])
-    done = with_checksums(r, {rel: hash_span(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
+    done = with_checksums(r, {rel: file_checksums(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
                               for rel, span in r.spans.items() if span.checksum is None})
     assert not done.pending
     for rel, span in done.spans.items():
-        want = hash_span(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
+        want = file_checksums(span.header, memoryview(data)[span.offset:span.offset + span.nbytes], 0)[0]
         assert span.checksum == ("stale-is-kept-as-is" if rel.endswith("00002.safetensors") else want)
     assert done.manifest().files["shard-00000.safetensors"].size == len(r.spans["shard-00000.safetensors"].header) + 1000
 
