@@ -10,7 +10,6 @@ Needs ``pip install 'mpckpt[lightning]'``.
 from __future__ import annotations
 
 import argparse
-import os
 
 import lightning as L
 import torch
@@ -78,7 +77,7 @@ def main() -> None:
         # the files are Lightning checkpoints: load them as always (any machine, no mpckpt needed)
         best = Regressor.load_from_checkpoint(checkpoints.best_model_path)
         print(f"loaded the best model (lr={best.hparams.lr}) with Regressor.load_from_checkpoint")
-        root = os.path.join(args.dir, ".mpckpt")
+        root = trainer.strategy.checkpoint_io.root_for(checkpoints.last_model_path)  # beside the folder
         with mpckpt.Checkpointer(root, read_only=True) as ckpt:
             print(f"mpckpt steps in {root}: {ckpt.steps()}  (inspect them: mpckpt ls {root})")
 

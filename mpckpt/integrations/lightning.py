@@ -48,7 +48,6 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +77,6 @@ __all__ = ["MpckptCheckpointIO", "read_pointer"]
 
 log = logging.getLogger("mpckpt")
 
-DEFAULT_ROOT_NAME = ".mpckpt"
 # options that would fight what Lightning decides (what to keep, when to save, who saves)
 _REFUSED = ("keep", "keep_last", "trigger", "read_only", "process_group")
 _READ_OPTIONS = ("storage_options", "allow_pickle", "timeout_s")
@@ -117,7 +115,8 @@ class _Save:
 class MpckptCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that saves asynchronously through ``mpckpt.Checkpointer``.
 
-    ``root``: where the checkpoints go (a folder or URL); default ``<checkpoint folder>/.mpckpt``.
+    ``root``: where the checkpoints go (a folder or URL); default: a root per checkpoint folder,
+    beside it (``<dirpath>.mpckpt``; ``<dirpath>/.mpckpt`` when an earlier mpckpt saved there).
     Every other keyword goes to ``mpckpt.Checkpointer`` (``memory_budget``, ``workers``,
     ``overlap``, ``storage_options``, ``allow_pickle``, ``timeout_s`` ...); ``keep``,
     ``keep_last``, ``trigger``, ``read_only`` and ``process_group`` are refused: Lightning's
@@ -141,6 +140,7 @@ class MpckptCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._open: dict[str, mpckpt.Checkpointer] = {}
+        self._roots: dict[str, str] = {}                # checkpoint folder -> its default root (decided once)
         self._saves: list[_Save] = []                   # unfinished, in save order (mpckpt commits in that order)
         self._deletions: list[tuple[str, int]] = []     # committed steps to delete when mpckpt lets us
         self._failures: list[BaseException] = []        # from the background, raised by the next call
@@ -168,7 +168,7 @@ class MpckptCheckpointIO(CheckpointIO):
         if outside:
             self._save_now(checkpoint, path)
             return
-        root = self._root_for(path)
+        root = self.root_for(path)
         fresh = root not in self._open
         ckpt = self._writer(root)
         step = self._next_step[root]
@@ -217,7 +217,7 @@ class MpckptCheckpointIO(CheckpointIO):
             if state is not None:
                 if not isinstance(state, dict):
                     raise ConfigError(f"{text} points at a checkpoint that is not a Lightning checkpoint dict")
-                return _to_location(state, map_location)
+                return files.to_location(state, map_location)
         return pl_load(text, map_location=map_location, weights_only=weights_only)  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -265,7 +265,7 @@ class MpckptCheckpointIO(CheckpointIO):
 
     def _release(self, path: str, *, remove: bool) -> dict[str, list[int]]:
         """Doom the pending saves of ``path`` (``remove``: and the file); its committed steps, per root."""
-        root = self._root_for(path)
+        root = self.root_for(path)
         with self._lock:
             pointer = read_pointer(path)
             named = set() if pointer is None else {(c.root, c.step, c.save_id) for c in files.candidates(path, pointer)}
@@ -323,8 +323,17 @@ class MpckptCheckpointIO(CheckpointIO):
                 reader.close()
 
     # -- the mapping --------------------------------------------------------------------------
-    def _root_for(self, path: str) -> str:
-        return self.root if self.root is not None else files.join(files.dirname(path), DEFAULT_ROOT_NAME)
+    def root_for(self, path: str | os.PathLike[str]) -> str:
+        """The root a save of ``path`` goes to: ``root=``, else its folder's (``files.root_of_folder``)."""
+        path = files.norm(path)
+        if self.root is not None:
+            return self.root
+        folder = files.dirname(path)
+        root = self._roots.get(folder)
+        if root is None:
+            options = {k: v for k, v in self.options.items() if k in _READ_OPTIONS}
+            root = self._roots[folder] = files.root_of_folder(folder, **options)
+        return root
 
     def _timeout_s(self) -> float:
         return float(self.options.get("timeout_s") or DEFAULT_TIMEOUT_S)
@@ -471,26 +480,3 @@ class MpckptCheckpointIO(CheckpointIO):
                     self._failures.append(e)
         with self._lock:
             self._deletions[:0] = later
-
-
-def _to_location(state: dict[str, Any], map_location: Any) -> dict[str, Any]:
-    """Tensors moved to ``map_location`` when it names a device (mpckpt loads onto the CPU)."""
-    import torch
-
-    if map_location is None or callable(map_location) or isinstance(map_location, Mapping):
-        return state
-    device = torch.device(map_location)
-    if device.type == "cpu":
-        return state
-
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(device)
-        if isinstance(x, dict):
-            return type(x)((k, move(v)) for k, v in x.items()) if type(x) is not dict else {k: move(v) for k, v in
-                                                                                              x.items()}
-        if isinstance(x, list):
-            return [move(v) for v in x]
-        return x
-
-    return move(state)  # type: ignore[no-any-return]

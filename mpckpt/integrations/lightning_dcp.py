@@ -53,7 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 import mpckpt  # noqa: E402
 from mpckpt.errors import ConfigError  # noqa: E402
 from mpckpt.integrations import lightning_files as files  # noqa: E402
-from mpckpt.integrations.lightning import DEFAULT_ROOT_NAME, MpckptCheckpointIO, _called_from  # noqa: E402
+from mpckpt.integrations.lightning import MpckptCheckpointIO, _called_from  # noqa: E402
 from mpckpt.integrations.lightning_files import Candidate, read_pointer  # noqa: E402
 from mpckpt.policies.retention import RetentionPolicy  # noqa: E402
 
@@ -125,8 +125,10 @@ class _ShardedSaves:
         return None, {}
 
     def _root_for(self, path: str) -> str:
-        root, _ = self._options()
-        return root if root is not None else files.join(files.dirname(path), DEFAULT_ROOT_NAME)
+        io_ = self.checkpoint_io  # type: ignore[attr-defined]
+        if isinstance(io_, MpckptCheckpointIO):
+            return io_.root_for(path)  # the plugin's: root=, or the folder's (decided once)
+        return files.root_of_folder(files.dirname(path))
 
     def _writer(self, root: str) -> mpckpt.Checkpointer:
         """The root's Checkpointer, opened by every rank together (the job's process group)."""

@@ -22,8 +22,11 @@ A ``.ckpt`` file has two forms:
 
 ``read_pointer`` tells a pointer from a checkpoint without running code from the file; it reads
 version 1 pointers too (JSON: mpckpt before the files became checkpoints). Each saved step
-carries the metric ``lightning_file``: its file's name, relative to the root's folder when the
-file lies there (``<dirpath>/.mpckpt``: the folder stays movable), its whole path otherwise.
+carries the metric ``lightning_file``: its file's name when the root serves the file's folder
+(beside it or inside it, local paths: the pair stays movable), its whole path otherwise.
+
+Paths and the default root of a checkpoint folder (beside it, ``<dirpath>.mpckpt``) are
+``_lightning_paths``'s.
 """
 
 from __future__ import annotations
@@ -49,6 +52,22 @@ import mpckpt
 from mpckpt._threads import Thread
 from mpckpt.config import DEFAULT_TIMEOUT_S
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, add_note
+from mpckpt.integrations._lightning_paths import (  # noqa: F401 -- the plugin reaches them through this module
+    OLD_ROOT_NAME,
+    ROOT_SUFFIX,
+    default_root,
+    dirname,
+    exists,
+    file_metric,
+    fs_of,
+    is_url,
+    join,
+    norm,
+    remove,
+    root_of_folder,
+    serves,
+    temporary_path,
+)
 
 __all__ = ["checkpoint_not_written_yet", "read_pointer"]
 
@@ -73,59 +92,6 @@ class Candidate:
     save_id: int
 
 
-def is_url(text: str) -> bool:
-    return "://" in text
-
-
-def norm(path: Any) -> str:
-    text = os.fspath(path)
-    return text if is_url(text) else os.path.abspath(text)
-
-
-def join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
-
-
-def dirname(path: str) -> str:
-    return path.rstrip("/").rpartition("/")[0] if is_url(path) else os.path.dirname(path)
-
-
-def _fs(path: str) -> tuple[Any, str]:
-    from fsspec.core import url_to_fs
-
-    return url_to_fs(path)  # type: ignore[no-any-return]
-
-
-def exists(path: str) -> bool:
-    if not is_url(path):
-        return os.path.lexists(path)
-    fs, p = _fs(path)
-    return bool(fs.exists(p))
-
-
-def remove(path: str) -> None:
-    if not is_url(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        return
-    fs, p = _fs(path)
-    if fs.exists(p):
-        fs.rm(p)
-
-
-def file_metric(root: str, path: str) -> str:
-    """How a step names its file: by name when it lies in the root's folder, else by its whole path."""
-    if not is_url(root) and not is_url(path) and os.path.dirname(path) == os.path.dirname(root.rstrip(os.sep)):
-        return os.path.basename(path)
-    return path
-
-
-def temporary_path(path: str, step: int) -> str:
-    """Where the file of ``step`` is written before it is renamed to ``path`` (hidden, same folder)."""
-    folder, base = dirname(path), path.rstrip("/").rpartition("/")[2] if is_url(path) else os.path.basename(path)
-    return join(folder, f".{base}.{step}.mpckpt-tmp")
-
-
 # -- pointers ------------------------------------------------------------------------------------
 class _Pointer:
     """What a pointer file holds for ``torch.save``: a call of ``checkpoint_not_written_yet(body)``."""
@@ -147,8 +113,8 @@ def pointer_bytes(path: str, cands: list[Candidate], *, epoch: Any = None, globa
     entries = []
     for c in cands:
         root = c.root
-        if not is_url(root) and not is_url(path) and os.path.dirname(root) == where:
-            root = os.path.relpath(root, where)  # the folder stays movable
+        if not is_url(path) and serves(root, where):  # the pair stays movable; read back from the real folder
+            root = os.path.relpath(os.path.realpath(root), os.path.realpath(where))
         entries.append({"root": root, "step": c.step, "save_id": c.save_id})
     body: dict[str, Any] = {POINTER_KEY: POINTER_VERSION, "note": _NOTE, "path": path, "candidates": entries,
                             "host": socket.gethostname(), "pid": os.getpid()}
@@ -164,7 +130,7 @@ def pointer_bytes(path: str, cands: list[Candidate], *, epoch: Any = None, globa
 def write_pointer(path: str, cands: list[Candidate], **extra: Any) -> None:
     data = pointer_bytes(path, cands, **extra)
     if is_url(path):
-        fs, p = _fs(path)
+        fs, p = fs_of(path)
         fs.makedirs(dirname(p), exist_ok=True)
         fs.pipe_file(p, data)
         return
@@ -200,7 +166,7 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     text = os.fspath(path)
     try:
         if is_url(text):
-            fs, p = _fs(text)
+            fs, p = fs_of(text)
             if not fs.isfile(p) or fs.size(p) > _POINTER_MAX_BYTES:
                 return None
             data = fs.cat_file(p)
@@ -344,7 +310,7 @@ def write_checkpoint_file(checkpoint: Any, *, allow_pickle: bool = False) -> dic
     target = str(checkpoint.metrics[_WRITE_TO])
     state = checkpoint.load(allow_pickle=allow_pickle)
     if is_url(target):
-        fs, p = _fs(target)
+        fs, p = fs_of(target)
         with fs.open(p, "wb") as f:
             torch.save(state, f)
         return {"bytes": int(fs.size(p))}
@@ -472,7 +438,30 @@ class FileWriter:
 def replace(tmp: str, path: str) -> None:
     """``tmp`` becomes ``path`` at once (a rename in the same folder; a move on object stores)."""
     if is_url(path):
-        fs, p = _fs(path)
-        fs.mv(_fs(tmp)[1], p)
+        fs, p = fs_of(path)
+        fs.mv(fs_of(tmp)[1], p)
         return
     os.replace(tmp, path)
+
+
+def to_location(state: dict[str, Any], map_location: Any) -> dict[str, Any]:
+    """Tensors moved to ``map_location`` when it names a device (mpckpt loads onto the CPU)."""
+    import torch
+
+    if map_location is None or callable(map_location) or isinstance(map_location, Mapping):
+        return state
+    device = torch.device(map_location)
+    if device.type == "cpu":
+        return state
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, dict):
+            return type(x)((k, move(v)) for k, v in x.items()) if type(x) is not dict else {k: move(v) for k, v in
+                                                                                              x.items()}
+        if isinstance(x, list):
+            return [move(v) for v in x]
+        return x
+
+    return move(state)  # type: ignore[no-any-return]

@@ -8,8 +8,8 @@ about that plugin, so it is not ours to replace. Each test records what happened
 properties (``mpckpt_injected``, ``mpckpt_kept_own``), which the runner counts.
 
 ``--mpckpt-root-outside``: every save of a test goes to one root in a temporary folder outside
-the test's folders (``MpckptCheckpointIO(root=...)``), instead of ``<dirpath>/.mpckpt``, so
-tests that list a checkpoint folder do not see the root.
+the test's folders (``MpckptCheckpointIO(root=...)``), instead of the default root beside each
+checkpoint folder (``<dirpath>.mpckpt``): a comparison with roots nowhere near the test's files.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _KEPT_OWN = "mpckpt_kept_own"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--mpckpt-root-outside", action="store_true",
-                     help="one mpckpt root per test in a temporary folder, not <dirpath>/.mpckpt")
+                     help="one mpckpt root per test in a temporary folder, not <dirpath>.mpckpt")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -2,7 +2,9 @@
 
 Top-k deletion and ``save_last``, resuming from ``"last"`` exactly as an uninterrupted run,
 ``validate`` / ``test`` with ``ckpt_path``, a remove that races a pending save, files whose
-save never committed, failures surfacing, and DDP with two CPU processes. Run as a script
+save never committed, failures surfacing, and DDP with two CPU processes. The default root lies
+beside the checkpoint folder (``<dirpath>.mpckpt``), and a root at the old default inside it
+(``<dirpath>/.mpckpt``) that holds checkpoints is kept. Run as a script
 (``python tests/integration/test_lightning.py ddp DIR``) it is the DDP job the last test starts.
 What the files are and that nothing stays open: ``test_lightning_files.py``.
 """
@@ -81,10 +83,15 @@ def trainer(dirpath: Path, epochs: int, *, io: object = None, top_k: int = 2, **
     return t, mc
 
 
+def root_of(dirpath: Path) -> Path:
+    """The default root of the files in ``dirpath``: beside it, ``<dirpath>.mpckpt``."""
+    return dirpath.with_name(dirpath.name + ".mpckpt")
+
+
 def file_steps(dirpath: Path, root: Path | str | None = None) -> dict[str, list[int]]:
     """Each file the root's committed steps were saved for, and those steps."""
     out: dict[str, list[int]] = {}
-    with mpckpt.Checkpointer(root or dirpath / ".mpckpt", read_only=True) as r:
+    with mpckpt.Checkpointer(root or root_of(dirpath), read_only=True) as r:
         for step in r.steps():
             out.setdefault(str(r.checkpoint(step).metrics["lightning_file"]), []).append(step)
     return out
@@ -98,7 +105,7 @@ def checkpoint_files(dirpath: Path) -> list[str]:
 
 
 def committed(dirpath: Path, root: Path | str | None = None) -> list[int]:
-    with mpckpt.Checkpointer(root or dirpath / ".mpckpt", read_only=True) as r:
+    with mpckpt.Checkpointer(root or root_of(dirpath), read_only=True) as r:
         return r.steps()
 
 
@@ -125,7 +132,7 @@ def test_top_k_and_last_keep_exactly_what_lightning_keeps(tmp_path: Path) -> Non
     assert Path(mc.best_model_path).name in files and Path(mc.last_model_path).name == "last.ckpt"
     assert all(len(steps) == 1 for steps in files.values())
     assert files["last.ckpt"] == [max(committed(tmp_path))]
-    last = mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])
+    last = mpckpt.load(root_of(tmp_path), step=files["last.ckpt"][0])
     assert last["global_step"] == 20 and last["epoch"] == 4
     for k, v in weights(model).items():
         torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
@@ -177,6 +184,69 @@ def test_save_last_link_saves_once_and_resumes(tmp_path: Path) -> None:
     assert t2.global_step == 16
 
 
+def as_crash_leaves(path: Path, root: Path) -> None:
+    """Turn the checkpoint file ``path`` back into the pointer naming its committed step of ``root``."""
+    with mpckpt.Checkpointer(root, read_only=True) as r:
+        step = next(s for s in r.steps() if r.checkpoint(s).metrics["lightning_file"] == path.name)
+        save_id = r.checkpoint(step).metrics["lightning_save_id"]
+    lightning_files.write_pointer(str(path), [lightning_files.Candidate(str(root), step, save_id)])
+
+
+def test_the_default_root_is_beside_the_folder_and_moves_with_it(tmp_path: Path) -> None:
+    dirpath = tmp_path / "run" / "ckpts"
+    io = MpckptCheckpointIO(**OPTIONS)
+    t, mc = trainer(dirpath, 3, io=io)
+    t.fit(Net())
+    # the checkpoint folder holds Lightning's files and nothing else; the root lies beside it
+    assert sorted(os.listdir(dirpath)) == checkpoint_files(dirpath) == sorted(file_steps(dirpath))
+    assert sorted(os.listdir(tmp_path / "run")) == ["ckpts", "ckpts.mpckpt"]
+    assert io.root_for(dirpath / "any.ckpt") == str(root_of(dirpath))
+    # a crash leaves a pointer naming the root relative to the folder: the pair moves together
+    as_crash_leaves(dirpath / "last.ckpt", root_of(dirpath))
+    assert read_pointer(dirpath / "last.ckpt")["candidates"][0]["root"] == "../ckpts.mpckpt"
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    moved = tmp_path / "moved" / "ckpts" / "last.ckpt"
+    assert MpckptCheckpointIO(**OPTIONS).load_checkpoint(moved)["global_step"] == 12
+
+
+def test_default_root_where_nothing_lies_beside_the_folder() -> None:
+    assert lightning_files.default_root("/data/run/ckpts/") == "/data/run/ckpts.mpckpt"
+    assert lightning_files.default_root("s3://bkt/run/ckpts") == "s3://bkt/run/ckpts.mpckpt"
+    assert lightning_files.default_root("memory://ckpts") == "memory://ckpts.mpckpt"
+    assert lightning_files.default_root("s3://bkt") == "s3://bkt/.mpckpt"   # beside a bucket is another bucket
+    assert lightning_files.default_root("/") == "/.mpckpt"
+
+
+def test_a_root_at_the_old_default_is_kept_and_resumed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dirpath = tmp_path / "ckpts"
+    old = dirpath / ".mpckpt"   # where mpckpt put a folder's root before: what an earlier version left
+    torch.manual_seed(0)
+    trainer(dirpath, 2, io=MpckptCheckpointIO(root=old, **OPTIONS))[0].fit(Net())
+    before = committed(dirpath, old)
+    as_crash_leaves(dirpath / "last.ckpt", old)  # its last file still a pointer into the old root
+    assert read_pointer(dirpath / "last.ckpt")["candidates"][0]["root"] == ".mpckpt"
+
+    caplog.set_level("WARNING", logger="mpckpt")
+    t, mc = trainer(dirpath, 4)   # the default plugin, no root=
+    t.fit(Net(), ckpt_path="last")
+    assert t.global_step == 16    # resumed at step 8, from the pointer's step in the old root
+    said = [r.getMessage() for r in caplog.records if str(old) in r.getMessage()]
+    assert len(said) == 1 and "saving there too" in said[0] and str(root_of(dirpath)) in said[0]
+    # the run went on saving there: nothing beside the folder; the old run's steps went with their files
+    assert not root_of(dirpath).exists()
+    files = file_steps(dirpath, old)
+    assert sorted(files) == checkpoint_files(dirpath) and all(len(steps) == 1 for steps in files.values())
+    assert min(committed(dirpath, old)) > max(before)
+    assert torch.load(mc.last_model_path, weights_only=True)["global_step"] == 16
+    # moved beside the folder as the docs say (every file written), the next run takes it up there
+    shutil.move(old, root_of(dirpath))
+    t3, _ = trainer(dirpath, 5)
+    t3.fit(Net(), ckpt_path="last")
+    assert t3.global_step == 20 and sorted(os.listdir(dirpath)) == checkpoint_files(dirpath)
+    files = file_steps(dirpath)
+    assert sorted(files) == checkpoint_files(dirpath) and all(len(steps) == 1 for steps in files.values())
+
+
 def test_validate_and_test_with_ckpt_path(tmp_path: Path) -> None:
     torch.manual_seed(0)
     t, mc = trainer(tmp_path, 3)
@@ -224,7 +294,7 @@ def test_a_save_that_never_committed_falls_back_or_is_not_found(tmp_path: Path, 
     last = tmp_path / "last.ckpt"
     io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, last)
     io.teardown()
-    root = str(tmp_path / ".mpckpt")
+    root = str(root_of(tmp_path))
     with mpckpt.Checkpointer(root, read_only=True) as r:
         save_id = r.checkpoint(0).metrics["lightning_save_id"]
     # what a crash between save_checkpoint and the commit leaves: a newer candidate that never committed,
@@ -268,7 +338,7 @@ def test_failures_surface(tmp_path: Path) -> None:
     io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "x.ckpt")
     io.load_checkpoint(tmp_path / "x.ckpt")     # waits for the commit; the Checkpointer stays open
     written(tmp_path / "x.ckpt")
-    root = tmp_path / ".mpckpt"
+    root = root_of(tmp_path)
     shutil.rmtree(root)
     root.write_text("not a folder")
     io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "y.ckpt")
@@ -307,7 +377,7 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     files = file_steps(tmp_path)
     assert sorted(files) == checkpoint_files(tmp_path) == sorted({"last.ckpt", Path(done["best"]).name})
     assert sorted(s for steps in files.values() for s in steps) == committed(tmp_path)
-    assert mpckpt.load(tmp_path / ".mpckpt", step=files["last.ckpt"][0])["global_step"] == 6
+    assert mpckpt.load(root_of(tmp_path), step=files["last.ckpt"][0])["global_step"] == 6
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_sharded_saves_go_through_mpckpt_and_resume_exactly(job: Path, kind: str
         ended, tested = (torch.load(out / f"{n}_{rank}.pt", weights_only=False) for n in ("end", "tested"))
         for a, b in zip(ended["params"], tested["params"], strict=True):  # test(Net(), ckpt_path="best") loaded it
             assert torch.equal(a, b)
-    root = out / ".mpckpt"
+    root = out.with_name(out.name + ".mpckpt")  # the default root, beside the folder
     names = sorted(p.name for p in out.glob("*.ckpt"))
     assert names == sorted({"last.ckpt", Path(done["best"]).name})
     with mpckpt.Checkpointer(root, read_only=True) as r:

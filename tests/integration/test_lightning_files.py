@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 import mpckpt  # noqa: E402
 from mpckpt.integrations.lightning import MpckptCheckpointIO, read_pointer  # noqa: E402
 from tests.integration.gated_backend import gated_url  # noqa: E402
-from tests.integration.test_lightning import OPTIONS, Net, trainer, weights  # noqa: E402
+from tests.integration.test_lightning import OPTIONS, Net, root_of, trainer, weights  # noqa: E402
 
 
 def mpckpt_processes() -> list[str]:
@@ -84,7 +84,7 @@ def test_files_after_fit_load_as_lightning_checkpoints(tmp_path: Path) -> None:
     by_url = pl_load(f"file://{mc.best_model_path}")  # a URL, through fsspec (as Lightning loads remote files)
     torch.testing.assert_close(by_url["state_dict"], best["state_dict"], rtol=0, atol=0)
     # the root keeps one checkpoint per file Lightning kept, no more
-    assert sorted(files_of_root(tmp_path / ".mpckpt").values()) == names
+    assert sorted(files_of_root(root_of(tmp_path)).values()) == names
     assert_nothing_open()
 
 
@@ -140,14 +140,14 @@ def test_after_fit_a_save_over_a_file_or_its_removal_deletes_its_step(tmp_path: 
     torch.manual_seed(0)
     t, mc = trainer(tmp_path, 2)
     t.fit(Net())
-    before = files_of_root(tmp_path / ".mpckpt")
+    before = files_of_root(root_of(tmp_path))
     assert sorted(before.values()) == sorted(p.name for p in tmp_path.glob("*.ckpt"))
     t.save_checkpoint(mc.last_model_path)  # over last.ckpt, outside fit(): written now, its old step goes
     t.strategy.remove_checkpoint(mc.best_model_path)  # as Lightning removes files: the step goes with it
     assert not Path(mc.best_model_path).exists()
     assert torch.load(mc.last_model_path, weights_only=True)["global_step"] == 8
     gone = Path(mc.best_model_path).name, "last.ckpt"  # removed, and saved over
-    assert files_of_root(tmp_path / ".mpckpt") == {s: f for s, f in before.items() if f not in gone}
+    assert files_of_root(root_of(tmp_path)) == {s: f for s, f in before.items() if f not in gone}
     assert_nothing_open()
 
 
@@ -166,7 +166,7 @@ def test_ddp_spawn_leaves_nothing_open_and_the_trainer_pickles(tmp_path: Path) -
     for k, v in weights(model).items():  # the main process's model got the trained weights
         torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
     Net.load_from_checkpoint(mc.best_model_path)
-    assert sorted(files_of_root(tmp_path / ".mpckpt").values()) == sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert sorted(files_of_root(root_of(tmp_path)).values()) == sorted(p.name for p in tmp_path.glob("*.ckpt"))
 
 
 def test_an_fsspec_folder_gets_checkpoints_too(tmp_path: Path) -> None:
@@ -183,9 +183,12 @@ def test_an_fsspec_folder_gets_checkpoints_too(tmp_path: Path) -> None:
         for k, v in weights(model).items():
             torch.testing.assert_close(last["state_dict"][k], v, rtol=0, atol=0)
         Net.load_from_checkpoint(mc.best_model_path)
-        assert sorted(files_of_root(f"{folder}/.mpckpt").values()) == sorted(  # a URL's steps name it whole
+        assert sorted(files_of_root(f"{folder}.mpckpt").values()) == sorted(  # beside it; a URL's steps name it whole
             f"{folder}/{p.rsplit('/', 1)[1]}" for p in fsspec.filesystem("memory").ls(folder, detail=False)
             if p.endswith(".ckpt"))
         assert_nothing_open()
+        assert all(p.endswith(".ckpt") for p in fsspec.filesystem("memory").ls(folder, detail=False))
     finally:
-        fsspec.filesystem("memory").rm(folder, recursive=True)
+        for made in (folder, f"{folder}.mpckpt"):
+            if fsspec.filesystem("memory").exists(made):
+                fsspec.filesystem("memory").rm(made, recursive=True)
