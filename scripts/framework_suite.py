@@ -60,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="mpckpt roots in temporary folders, not inside the checkpoint/output folders")
     parser.add_argument("--discard-newer", action="store_true",
                         help="transformers: MpckptCallback(root, discard_newer=True), as the Trainer overwrites")
+    parser.add_argument("--resume-path", action="store_true",
+                        help="transformers: trainer_folders=False, resumes routed through resume_path")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout), default 300")
     parser.add_argument("--injected-only", action="store_true", help="skip the baseline run")
     parser.add_argument("--keep", help="folder for the junit files and logs (default: a temporary one)")
     args = parser.parse_args(argv)
 
-    if args.discard_newer and args.framework != "transformers":
-        parser.error("--discard-newer is an option of MpckptCallback (transformers)")
+    if (args.discard_newer or args.resume_path) and args.framework != "transformers":
+        parser.error("--discard-newer and --resume-path are options of MpckptCallback (transformers)")
     folder, default_subset = SUBSETS[args.framework]
     cwd = os.path.join(os.path.abspath(args.tests), folder)
     if not os.path.isdir(cwd):
@@ -102,6 +104,7 @@ def run(mode: str, args: argparse.Namespace, cwd: str, subset: list[str], out: s
     if mode == "injected":
         cmd += ["-p", f"inject_{args.framework}"] + (["--mpckpt-root-outside"] if args.root_outside else [])
         cmd += ["--mpckpt-discard-newer"] if args.discard_newer else []
+        cmd += ["--mpckpt-resume-path"] if args.resume_path else []
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, env.get("PYTHONPATH", "")) if p)
     log_path = os.path.join(out, f"{mode}.log")
     print(f"[{mode}] {' '.join(cmd)}  (in {cwd})", flush=True)

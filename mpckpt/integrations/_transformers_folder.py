@@ -3,14 +3,15 @@
 This module owns the bytes of a ``checkpoint-N`` folder as the Trainer writes and reads it
 (``model.safetensors``, ``config.json``, ``generation_config.json``, ``training_args.bin``,
 ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and, of a job, ``rng_state_<rank>.pth``,
-``trainer_state.json``), and what of the
-model and the arguments goes into a save so that such a folder can be written later from storage
-alone (``model_files``), and the best checkpoint's folder that ``best_model_checkpoint`` names
-(``BestFolder``: written by a thread from storage once the step is committed).
-``transformers.py`` decides when; nothing here imports transformers.
+``trainer_state.json``: ``write_folder``), what of the model and the arguments goes into a save
+so that such a folder can be written later from storage alone (``model_files``), and the thread
+that writes them from storage once a step is committed (``FolderWriter``): every saved step's
+``output_dir/checkpoint-N``, or only the best step's model folder. ``resume_path`` writes one
+too. ``transformers.py`` decides when, and which; nothing here imports transformers.
 
-Invariant: a folder appears whole or not at all (written beside it under a temporary name, then
-renamed), so a reader never finds half of one.
+Invariant: a folder appears whole or not at all (written beside it under a temporary name that
+starts with a dot, then renamed), so a reader (``get_last_checkpoint``, the Trainer's rotation,
+``from_pretrained``) never finds half of one.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from mpckpt import Checkpointer, SaveFuture
 from mpckpt._threads import executor
-from mpckpt.errors import CheckpointNotFoundError, MpckptError
+from mpckpt.errors import CheckpointNotFoundError
 from mpckpt.integrations import require
 
 log = logging.getLogger("mpckpt")
@@ -41,6 +42,7 @@ log = logging.getLogger("mpckpt")
 # the keys of a save that hold the model's and the run's description, not training state
 CONFIG, GENERATION_CONFIG, TRAINING_ARGS = "config", "generation_config", "training_args"
 RANKS_RNG = "rng_ranks"  # under DDP: every rank's RNGState, in rank order (rng_state_<rank>.pth)
+TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # a finished one, as get_last_checkpoint matches them
 FOLDER = re.compile(r"^\.?checkpoint-(\d+)(\..*)?$")  # a checkpoint folder, or one being written (write_folder)
 
 
@@ -143,20 +145,30 @@ def _hf_rng(rng: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class BestFolder:
-    """The best checkpoint's folder in the Trainer's layout, written by one thread from storage.
+class FolderWriter:
+    """Trainer folders ``<dir>/checkpoint-<step>``, written by one thread from storage, each once
+    its step is committed (``Checkpointer.load``: the verified step, kept while it is read).
 
-    ``make(step)`` asks for it once ``step`` is committed; a newer request supersedes one not yet
-    started; once written, the older best folders in ``dir`` are deleted. ``settle`` waits for
-    what was asked, then points ``best_model_checkpoint`` at the newest folder that exists.
+    Two uses. Every saved step's folder, as ``Trainer._save_checkpoint`` writes it (``training``),
+    in save order, each followed by ``after(folder)`` (the Trainer's rotation). Or the best step's
+    model folder only (``latest_only``, ``training=False``): a newer request supersedes one not yet
+    started, and once one is written the older ones in ``dir`` are deleted. ``protect`` names a
+    folder the rotation keeps (the best one). ``settle`` waits for what was asked, with a bound;
+    ``stop`` ends the thread.
     """
 
-    def __init__(self, directory: str | None = None, processing_class: Any = None) -> None:
+    def __init__(self, directory: str | None = None, *, training: bool, processing_class: Any = None,
+                 latest_only: bool = False, after: Callable[[str], None] | None = None) -> None:
         self.dir = directory
+        self.training = training
         self.processing_class = processing_class
+        self.latest_only = latest_only
+        self.after = after
+        self.protect: str | None = None  # read by ``after`` on the writer's thread
         self.step: int | None = None  # the newest asked for
         self.made: str | None = None  # the newest written
-        self._jobs: list[concurrent.futures.Future[None]] = []
+        self._asked: set[int] = set()
+        self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def path(self, step: int) -> str:
@@ -164,61 +176,99 @@ class BestFolder:
         return os.path.join(self.dir, f"checkpoint-{step}")
 
     def make(self, step: int, checkpointer: Checkpointer, saving: SaveFuture | None) -> None:
-        if self.dir is None or step == self.step:
+        """Ask for ``step``'s folder; ``saving``: its save, if not committed yet (None: committed)."""
+        if self.dir is None or step in self._asked and (not self.latest_only or step == self.step):
             return
+        self._asked.add(step)
         self.step = step
         if self._pool is None:
-            self._pool = executor(1, "mpckpt-hf-best-model")
+            self._pool = executor(1, "mpckpt-hf-folders")
         committed = threading.Event()
         if saving is None:
             committed.set()
         else:
             saving.add_done_callback(lambda _f: committed.set())  # (result() would take its error from the run)
-        self._jobs.append(self._pool.submit(self._write, step, checkpointer, saving, committed))
+        self._jobs[step] = self._pool.submit(self._write, step, checkpointer, saving, committed)
 
     def _write(self, step: int, checkpointer: Checkpointer, saving: SaveFuture | None,
                committed: threading.Event) -> None:
         committed.wait()
-        if step != self.step or saving is not None and saving.stats.status != "committed":
+        if self.latest_only and step != self.step or saving is not None and saving.stats.status != "committed":
             return  # a newer best came meanwhile; or the save failed (the Checkpointer raises that)
         started = time.perf_counter()
         try:
             state = checkpointer.load(step)
         except CheckpointNotFoundError:
-            log.warning("mpckpt: the best checkpoint (step %d) was deleted before its folder was written "
-                        "(keep= without KeepBest?); best_model_checkpoint stays %s", step, self.made)
+            # retention deleted it first: with save_total_limit the rotation would delete its folder too
+            log.warning("mpckpt: step %d was deleted from %s (retention) before its folder in %s was written; "
+                        "no folder for it", step, checkpointer.url, self.dir)
             return
         folder = self.path(step)
-        write_folder(state, folder, training=False, processing_class=self.processing_class)
+        write_folder(state, folder, training=self.training, processing_class=self.processing_class)
         self.made = folder
-        assert self.dir is not None
-        for name in os.listdir(self.dir):  # the older best folders, and any left half written by a crash
-            if FOLDER.match(name) and name != os.path.basename(folder):
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
-        log.info("mpckpt: the best checkpoint (step %d) written to %s for the Trainer (%.0f ms)", step, folder,
+        if self.latest_only:
+            assert self.dir is not None
+            for name in os.listdir(self.dir):  # the older best folders, and any left half written by a crash
+                if FOLDER.match(name) and name != os.path.basename(folder):
+                    shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        if self.after is not None:
+            self.after(folder)
+        log.info("mpckpt: step %d written to %s for the Trainer (%.0f ms)", step, folder,
                  (time.perf_counter() - started) * 1e3)
 
-    def settle(self, state: Any, *, raise_errors: bool) -> None:
-        """Wait for the folders asked for; with ``raise_errors``, raise the first that failed."""
-        concurrent.futures.wait(self._jobs)
-        if self.step is not None and state.best_model_checkpoint == self.path(self.step) \
-                and not os.path.isdir(state.best_model_checkpoint):
-            state.best_model_checkpoint = self.made  # its save was not committed: the previous best stays
-        failed = [job for job in self._jobs if job.exception() is not None]
-        self._jobs = failed  # kept until raised
-        if failed and raise_errors:
-            self._jobs = []
-            error = failed[0].exception()
-            raise MpckptError(f"MpckptCallback: could not write the best checkpoint's folder in {self.dir} (the "
-                              f"checkpoint itself is committed in the root): {error}") from error
+    def due(self) -> list[int]:
+        """The steps asked for whose folder is not settled yet (being written, or waiting for their commit)."""
+        return sorted(step for step, job in self._jobs.items() if not job.done())
 
-    def stop(self) -> None:
-        """Wait for the folders asked for (a failure not raised yet is logged), stop the thread."""
+    def settle(self, timeout_s: float | None = None) -> tuple[list[int], list[tuple[int, BaseException]]]:
+        """Wait up to ``timeout_s`` for the folders asked for: (the steps still due, the steps that
+        failed with their errors). A failure is reported once, by this call or by ``stop``."""
+        concurrent.futures.wait(list(self._jobs.values()), timeout=timeout_s)
+        due = self.due()
+        failed = []
+        for step, job in list(self._jobs.items()):
+            if job.done():
+                del self._jobs[step]
+                error = job.exception()
+                if error is not None:
+                    failed.append((step, error))
+        return due, failed
+
+    def stop(self, *, wait: bool = True) -> None:
+        """End the thread: with ``wait``, after the folders asked for (a failure not settled yet is
+        logged); without, those not started are dropped."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
-        for job in self._jobs:
-            if job.exception() is not None:
-                log.warning("mpckpt: could not write the best checkpoint's folder in %s: %r", self.dir,
+            pool.shutdown(wait=wait, cancel_futures=not wait)
+        for step, job in self._jobs.items():
+            if job.done() and not job.cancelled() and job.exception() is not None:
+                log.warning("mpckpt: could not write the folder of step %d in %s: %r", step, self.dir,
                             job.exception())
-        self._jobs = []
+        self._jobs = {}
+
+
+def rotation(output_dir: str, limit: int | None, writer: FolderWriter,
+             trainer_rotate: Callable[..., None] | None) -> Callable[[str], None]:
+    """The Trainer's rotation of its ``checkpoint-N`` folders (``save_total_limit``), to run after
+    each folder is written: the newest ``limit`` and the best (``writer.protect``) stay.
+    ``trainer_rotate``: transformers' own ``rotate_checkpoints`` (>= 5), else the same rule here."""
+    def rotate(_folder: str) -> None:
+        if not limit or limit <= 0:
+            return
+        if trainer_rotate is not None:
+            trainer_rotate(output_dir=output_dir, save_total_limit=limit, best_model_checkpoint=writer.protect,
+                           use_mtime=False)
+            return
+        steps = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                       if (m := TRAINER_FOLDER.match(name)) and os.path.isdir(os.path.join(output_dir, name)))
+        protected = {steps[-1][1]} if steps else set()
+        if writer.protect is not None:
+            protected.add(os.path.basename(writer.protect))
+        extra = len(steps) - max(limit, len(protected))
+        for _step, name in steps:
+            if extra <= 0:
+                break
+            if name not in protected:
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+                extra -= 1
+    return rotate

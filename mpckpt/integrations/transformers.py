@@ -2,9 +2,12 @@
 
 This module owns the mapping between the Trainer's checkpoints (``checkpoint-N`` folders) and
 mpckpt steps, and nothing else; it imports transformers here and only here (``require``). The
-bytes of a ``checkpoint-N`` folder are ``_transformers_folder``'s.
+bytes of a ``checkpoint-N`` folder, and the thread that writes them, are ``_transformers_folder``'s.
 
-``Trainer(..., callbacks=[MpckptCallback(root, **checkpointer_options)])``:
+``Trainer(..., callbacks=[MpckptCallback(root, **checkpointer_options)])`` (``root`` defaults to
+``<output_dir>.mpckpt``, beside the output folder: the folder holds the Trainer's files only, so
+its listings, ``get_last_checkpoint``, the rotation and ``push_to_hub`` of the folder never meet
+the root; ``default_root``):
 
 * **It takes the Trainer's saves over.** The Trainer decides *when* to save as always
   (``save_strategy``, ``save_steps``, the last step, ``save_strategy="best"``); the callback
@@ -33,8 +36,9 @@ bytes of a ``checkpoint-N`` folder are ``_transformers_folder``'s.
   them itself in ``on_evaluate`` (the Trainer's strict comparison), so that the Trainer's own check
   finds nothing new and does not save: that is how that save is taken over (put the callback
   after ``EarlyStoppingCallback`` there: callbacks after it see the new best already). Once the
-  best step is saved, ``state.best_model_checkpoint`` is ``<best_model_dir>/checkpoint-<step>``
-  (default ``<output_dir>/mpckpt-best``), a folder a thread of the callback writes from storage
+  best step is saved, ``state.best_model_checkpoint`` is that step's ``checkpoint-<step>``: in
+  ``output_dir`` with the Trainer's folders; else in ``best_model_dir`` (default
+  ``<output_dir>/mpckpt-best``), a folder a thread of the callback writes from storage
   once that step is committed (the model as ``Trainer.save_model`` writes it, and the trainer
   state); only the newest best is kept there. The end of ``train()`` waits for it, so the
   Trainer's own ``load_best_model_at_end`` loads from it.
@@ -42,8 +46,19 @@ bytes of a ``checkpoint-N`` folder are ``_transformers_folder``'s.
   "eval_<metric>")`` when ``metric_for_best_model`` is set (the Trainer's rotation keeps the best
   too); mpckpt never deletes the newest. ``keep=`` / ``keep_last=`` given to the callback win.
   Every save's metrics are the evaluation metrics of its step and ``epoch``.
-* ``on_train_end`` waits for every commit and closes the Checkpointer: when ``train()``
-  returns, the last checkpoint is committed (a failure is raised there).
+* **The Trainer's folders** (``trainer_folders=True``, the default). Once a step is committed, a
+  thread of the callback reads it back from the root (verified) and writes
+  ``output_dir/checkpoint-N`` as the Trainer's own save would (whole or not at all), then applies
+  the Trainer's rotation (``save_total_limit``, keeping the best); ``best_model_checkpoint`` names
+  the real folder. So ``get_last_checkpoint``, ``train(resume_from_checkpoint=True)``, a
+  ``checkpoint-N`` path and ``from_pretrained`` of it work as without mpckpt; the Trainer's
+  resume reads the folder (it loads it before and around ``on_train_begin``, where a callback
+  cannot substitute the root). The cost: the state is stored twice. ``trainer_folders=False``
+  writes none (then the best model's folder is ``<output_dir>/mpckpt-best/checkpoint-N``).
+* ``on_train_end`` waits for every commit, then (from the run's summary log on) for the folders
+  still due, at most ``folders_timeout_s`` in all, and closes the Checkpointer: when ``train()``
+  returns, the last checkpoint is committed and its folder written (a failure, or a folder not
+  written in time, is raised there).
 
 ``resume_path(root)`` gives what ``trainer.train(resume_from_checkpoint=...)`` takes: a local
 folder that it materializes, once, from the newest committed checkpoint (or ``step``), in the
@@ -55,8 +70,8 @@ Limits: one process saves (``args.should_save``, rank 0; under DDP every rank's 
 gathered to it at each save, and ``resume_path`` writes each rank's ``rng_state_<rank>.pth``);
 DeepSpeed and FSDP are refused (the Trainer saves them outside what a callback sees); the AMP
 grad scaler and ``total_flos`` counted since the last log are not in the state; callbacks'
-``on_save`` is not called (the Trainer calls it after its own save only), and ``push_to_hub`` of
-checkpoints does not happen. The states of ``ExportableState`` callbacks are read from the
+``on_save`` is not called (the Trainer calls it after its own save only), and the Trainer's push
+of each checkpoint (inside its own save) does not happen. The states of ``ExportableState`` callbacks are read from the
 Trainer's callback handler, found on the call stack (callbacks are not handed it); where it is
 not found, only ``TrainerControl``'s state is refreshed. After the first optimizer step the
 callback makes the shared memory of the saves once (``Checkpointer.prepare``), so every save is
@@ -66,44 +81,63 @@ a copy only.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 import mpckpt
 from mpckpt.config import UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, StateError, StepOrderError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, MpckptError, StateError, StepOrderError
 from mpckpt.integrations import require
 
 _transformers = require("transformers", "transformers")
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
-from mpckpt.integrations._transformers_folder import FOLDER, BestFolder, model_files, write_folder  # noqa: E402
+from mpckpt.integrations._transformers_folder import (  # noqa: E402
+    FOLDER,
+    FolderWriter,
+    model_files,
+    rotation,
+    write_folder,
+)
 from mpckpt.integrations._transformers_folder import RANKS_RNG as _RANKS_RNG  # noqa: E402
+from mpckpt.integrations._transformers_rules import (  # noqa: E402
+    SUMMARY_KEY,
+    check_supported,
+    ranks_rng,
+    record_best,
+    retention_of,
+    trainer_state_of,
+)
 
 log = logging.getLogger("mpckpt")
 
 __all__ = ["MpckptCallback", "resume_path"]
 
 FORMAT = "mpckpt-transformers-1"  # the ``format`` value of every state this module saves
-_SUMMARY_KEY = "train_runtime"  # in the log entry the Trainer appends when training ends
-_BEST_DIR = "mpckpt-best"  # under output_dir: the best checkpoint's folder (best_model_dir=True)
+_BEST_DIR = "mpckpt-best"  # under output_dir: the best checkpoint's folder (trainer_folders=False)
+ROOT_SUFFIX = ".mpckpt"  # the root when none is given: <output_dir>.mpckpt, beside the output folder
+
+
+def default_root(output_dir: str | os.PathLike[str]) -> str:
+    """The root ``MpckptCallback`` saves into when given none: ``<output_dir>.mpckpt``, beside the
+    Trainer's output folder (inside it, ``<output_dir>/.mpckpt``, only for a folder with nothing
+    beside it: ``/``)."""
+    folder = os.path.abspath(os.fspath(output_dir))
+    return folder + ROOT_SUFFIX if os.path.basename(folder) else os.path.join(folder, ROOT_SUFFIX)
 
 
 class MpckptCallback(TrainerCallback):  # type: ignore[misc]
     """Save the Trainer's checkpoints through mpckpt (see the module docstring).
 
-    ``root`` is any root a ``Checkpointer`` takes (a path, ``s3://``, ``az://`` ...);
+    ``root`` is any root a ``Checkpointer`` takes (a path, ``s3://``, ``az://`` ...; default
+    ``<output_dir>.mpckpt``, beside it: ``default_root``);
     ``options`` go to ``mpckpt.Checkpointer`` (``memory_budget``, ``workers``, ``overlap``,
     ``keep``, ``keep_last``, ``storage_options`` ...). ``mode`` is the upload mode of each save
     (``ASYNC`` by default: the Trainer waits for the copy only).
@@ -111,17 +145,31 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
     ``discard_newer``: when ``train()`` starts before the root's newest step (a fresh run into a
     used root, or a resume from an older step), delete the checkpoints newer than the step it
     starts from, and save on from there; by default that is a ``StepOrderError`` at
-    ``on_train_begin``, before the first step. ``best_model_dir``: where the folder that
+    ``on_train_begin``, before the first step.
+
+    ``trainer_folders``: write the Trainer's ``output_dir/checkpoint-N`` folders from the committed
+    steps, in the background (the state is then stored twice); ``False``: the root only.
+    ``folders_timeout_s``: how long the end of ``train()`` waits for the folders still due before
+    it raises. ``best_model_dir`` (with ``trainer_folders=False`` only): where the folder that
     ``state.best_model_checkpoint`` names is written (``True``: ``<output_dir>/mpckpt-best``;
     ``False``: not written, and ``best_model_checkpoint`` stays ``None``).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, mode: UploadMode | str = UploadMode.ASYNC,
-                 discard_newer: bool = False, best_model_dir: str | os.PathLike[str] | bool = True,
-                 **options: Any) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, mode: UploadMode | str = UploadMode.ASYNC,
+                 trainer_folders: bool = True, folders_timeout_s: float = 600.0, discard_newer: bool = False,
+                 best_model_dir: str | os.PathLike[str] | bool = True, **options: Any) -> None:
         if "read_only" in options:
             raise ConfigError("MpckptCallback saves; read_only= is not one of its options")
+        if not isinstance(folders_timeout_s, (int, float)) or not folders_timeout_s > 0:
+            raise ConfigError(f"MpckptCallback: folders_timeout_s must be a number of seconds > 0, not "
+                              f"{folders_timeout_s!r}")
+        if trainer_folders and best_model_dir is not True:
+            raise ConfigError(f"MpckptCallback: best_model_dir={best_model_dir!r} applies with trainer_folders=False "
+                              "only; with the Trainer's folders (the default) the best model's folder is the best "
+                              "step's output_dir/checkpoint-N. Leave best_model_dir out, or give trainer_folders=False")
         self.root = root
+        self.trainer_folders = bool(trainer_folders)
+        self.folders_timeout_s = float(folders_timeout_s)
         self.mode = mode
         self.discard_newer = bool(discard_newer)
         self.best_model_dir = best_model_dir
@@ -135,24 +183,28 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         self._prepared = False
         self._model_files: dict[str, Any] = {}
         self._saved: dict[int, mpckpt.SaveFuture | None] = {}  # steps in the root: None = committed before
-        self._best = BestFolder()
+        # the Trainer's checkpoint-N folders (trainer_folders), or the best step's model folder only
+        self._folders = FolderWriter(training=True)
+        self._folders_deadline: float | None = None  # when the end of train() stops waiting for them
+        self._folders_failed: list[tuple[str, BaseException]] = []  # not raised yet
 
     # -- life ------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        _check_supported(args)
+        check_supported(args)
         self._training = True
         self._pending = None
         self._prepared = False
         if args.should_save and self.checkpointer is None:
             options = dict(self.options)
             if "keep" not in options and "keep_last" not in options:
-                keep = _retention(args)
+                keep = retention_of(args)
                 if keep is not None:
                     options["keep"] = keep
             if args.world_size > 1:
                 options.setdefault("process_group", False)  # rank 0 saves alone, as the Trainer does
-            self.checkpointer = mpckpt.Checkpointer(self.root, **options)
+            root = self.root if self.root is not None else default_root(str(args.output_dir))
+            self.checkpointer = mpckpt.Checkpointer(root, **options)
             try:
                 self._go_on_from(int(state.global_step), args)
             except BaseException:
@@ -161,7 +213,8 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             self._last_saved = self.checkpointer.latest_step
             self._saved = dict.fromkeys(self.checkpointer.steps())
             self._model_files = model_files(kwargs.get("model"), args)
-            self._best = BestFolder(self._best_dir(args), kwargs.get("processing_class"))
+            self._folders = self._folder_writer(args, kwargs.get("processing_class"))
+            self._folders_deadline, self._folders_failed = None, []
             if state.best_global_step in self._saved:  # a resume: the folder may be on another machine
                 self._best_saved(state, int(state.best_global_step))
 
@@ -184,27 +237,45 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         log.warning("mpckpt: discard_newer=True: train() starts from step %d; deleting the newer checkpoints %s "
                     "of %s", start, newer, self.checkpointer.url)
         self.checkpointer.discard_newer(start)
-        best_dir = self._best_dir(args)
-        if best_dir is not None and os.path.isdir(best_dir):  # a best folder of the discarded steps
-            for name in os.listdir(best_dir):
+        folders = self._folders_dir(args)
+        if folders is not None and os.path.isdir(folders):  # the folders of the discarded steps
+            for name in os.listdir(folders):
                 found = FOLDER.match(name)
                 if found and int(found.group(1)) > start:
-                    shutil.rmtree(os.path.join(best_dir, name), ignore_errors=True)
+                    shutil.rmtree(os.path.join(folders, name), ignore_errors=True)
 
-    def _best_dir(self, args: TrainingArguments) -> str | None:
+    def _folders_dir(self, args: TrainingArguments) -> str | None:
+        """Where the folders go: ``output_dir`` (trainer_folders), else the best model's folder's parent."""
+        if self.trainer_folders:
+            return str(args.output_dir)
         if self.best_model_dir is False or self.best_model_dir is None:
             return None
         if self.best_model_dir is True:
             return os.path.join(str(args.output_dir), _BEST_DIR)
         return os.fspath(self.best_model_dir)
 
+    def _folder_writer(self, args: TrainingArguments, processing_class: Any) -> FolderWriter:
+        directory = self._folders_dir(args)
+        if not self.trainer_folders:
+            return FolderWriter(directory, training=False, processing_class=processing_class, latest_only=True)
+        assert directory is not None
+        if os.path.isdir(directory):  # folders a crashed run left half written (never a checkpoint-N)
+            for name in os.listdir(directory):
+                if name.startswith(".checkpoint-") and FOLDER.match(name):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        writer = FolderWriter(directory, training=True, processing_class=processing_class)
+        writer.after = rotation(directory, args.save_total_limit, writer,
+                                getattr(_transformers.trainer_utils, "rotate_checkpoints", None))
+        return writer
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                **kwargs: Any) -> None:
-        if self._training and _SUMMARY_KEY in (kwargs.get("logs") or {}):
+        if self._training and SUMMARY_KEY in (kwargs.get("logs") or {}):
             # the run's summary: next, the Trainer loads the best model (load_best_model_at_end),
-            # which changes the weights: the last snapshot is taken now, and the best folder made
+            # which changes the weights (from best_model_checkpoint), then rotates the folders:
+            # the last snapshot is taken now, and the folders still due are waited for
             self._flush(args, state, control, kwargs)
-            self._best.settle(state, raise_errors=False)
+            self._settle_folders(state, raise_errors=False)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -212,7 +283,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             self._flush(args, state, control, kwargs)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
-            self._best.settle(state, raise_errors=True)
+            self._settle_folders(state, raise_errors=True)
             if args.load_best_model_at_end and self.checkpointer is not None and state.best_model_checkpoint is None:
                 self._load_best(state, kwargs.get("model"))  # no folder for the Trainer to load it from
         finally:
@@ -229,7 +300,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         call it, or let the Checkpointer's finalizer commit what is pending at exit)."""
         checkpointer, self.checkpointer = self.checkpointer, None
         try:
-            self._best.stop()
+            self._folders.stop(wait=not self._folders.due() or self._folders_deadline is None)
         finally:
             if checkpointer is not None:
                 checkpointer.close()
@@ -268,7 +339,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         self._eval_metrics[state.global_step] = {
             str(k): float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if args.save_strategy == "best" and _record_best(args, state, metrics):
+        if args.save_strategy == "best" and record_best(args, state, metrics):
             control.should_save = True
         self._claim(state, control)
 
@@ -287,7 +358,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             return
         claimed_at, self._pending = self._pending, None
         # every rank's generators, gathered on every rank at the same event (rank 0 saves them)
-        ranks = None if args.save_only_model else _ranks_rng()
+        ranks = None if args.save_only_model else ranks_rng()
         step = int(state.global_step)
         if self.checkpointer is None or self._last_saved is not None and step <= self._last_saved:
             return  # another process saves; or this step is saved already (a step save, then an epoch save)
@@ -304,22 +375,55 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         if future is not None:
             self.futures.append(future)
             self._saved[step] = future
-            if best == step:
-                self._best.make(step, self.checkpointer, future)
+            if self.trainer_folders or best == step:
+                self._folders.make(step, self.checkpointer, future)
         self._last_saved = step
 
     def _best_saved(self, state: TrainerState, best: int) -> None:
-        """The best step is (being) saved: ``best_model_checkpoint`` names its folder, made once committed."""
-        if self._best.dir is None or self.checkpointer is None:
+        """The best step is (being) saved: ``best_model_checkpoint`` names its folder, made once
+        committed (the rotation keeps it)."""
+        folders = self._folders
+        if folders.dir is None or self.checkpointer is None:
             return
-        path = state.best_model_checkpoint = self._best.path(best)
-        if best == self._best.step or best not in self._saved:
-            return  # asked for already; or being saved now (asked for once the save is made)
+        path = state.best_model_checkpoint = folders.protect = folders.path(best)
+        if best not in self._saved:
+            return  # being saved now: asked for once the save is made
         saving = self._saved[best]
         if saving is None and os.path.isdir(path):  # committed before this run, and written then
-            self._best.step, self._best.made = best, path
+            if folders.latest_only:
+                folders.step, folders.made = best, path
             return
-        self._best.make(best, self.checkpointer, saving)
+        folders.make(best, self.checkpointer, saving)  # (once: asked for already is a no-op)
+
+    def _settle_folders(self, state: TrainerState, *, raise_errors: bool) -> None:
+        """The end of ``train()``: wait for the folders still due, until ``folders_timeout_s`` after
+        the first call; ``raise_errors``: raise what could not be written, or was not in time."""
+        folders = self._folders
+        if self._folders_deadline is None:
+            self._folders_deadline = time.monotonic() + self.folders_timeout_s
+        due, failed = folders.settle(max(0.0, self._folders_deadline - time.monotonic()))
+        what = "the Trainer's folder" if self.trainer_folders else "the best checkpoint's folder"
+        self._folders_failed += [(f"{what} {folders.path(step)} (step {step}): {error!r}", error)
+                                 for step, error in failed]
+        best = state.best_model_checkpoint
+        if best is not None and folders.dir is not None and os.path.dirname(best) == folders.dir \
+                and not os.path.isdir(best):
+            # its save was not committed (raised at on_train_end), or its folder is not there
+            state.best_model_checkpoint = folders.made if folders.latest_only else None
+        if not raise_errors:
+            return
+        url = self.checkpointer.url if self.checkpointer is not None else "the root"
+        if self._folders_failed:
+            problems, self._folders_failed = self._folders_failed, []
+            raise MpckptError(f"MpckptCallback: could not write {'; '.join(p for p, _ in problems)}. The checkpoints "
+                              f"themselves are committed in {url} (resume_path(root, step) writes such a folder "
+                              "again)") from problems[0][1]
+        if due:
+            raise MpckptError(
+                f"MpckptCallback: {what}s of steps {due} in {folders.dir} were not written within folders_timeout_s="
+                f"{self.folders_timeout_s:g} s of the end of training (their checkpoints are committed in {url}; "
+                "resume_path(root, step) writes one). Give a larger folders_timeout_s, or trainer_folders=False to "
+                "write none")
 
     def _state(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                kwargs: Mapping[str, Any], claimed_at: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -327,7 +431,7 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
         if model is None:
             raise StateError("MpckptCallback: the Trainer passed no model to the callback; nothing to save")
-        trainer_state = _trainer_state(state, control, claimed_at)
+        trainer_state = trainer_state_of(state, control, claimed_at)
         snapshot: dict[str, Any] = {"format": FORMAT, "model": model,
                                     "trainer_state": json.dumps(trainer_state, sort_keys=True), **self._model_files}
         if not args.save_only_model:
@@ -347,108 +451,6 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             return
         model.load_state_dict(self.checkpointer.load(best)["model"])
         log.info("mpckpt: loaded the best model (step %s, %s=%s)", best, "best_metric", state.best_metric)
-
-
-def _ranks_rng() -> list[dict[str, Any]] | None:
-    """Every rank's ``RNGState`` on rank 0, in rank order (None elsewhere, and in one process)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mpckpt.RNGState().state_dict(), gathered, dst=0)
-    return gathered
-
-
-def _check_supported(args: TrainingArguments) -> None:
-    if getattr(args, "deepspeed", None):
-        raise ConfigError("MpckptCallback does not save DeepSpeed checkpoints (they keep a format of their own); "
-                          "let the Trainer save them, or train without it")
-    if getattr(args, "fsdp", None):
-        raise ConfigError("MpckptCallback does not take FSDP saves over: with accelerate's FSDP plugin the Trainer "
-                          "saves with torch.distributed.checkpoint on every rank (SHARDED_STATE_DICT) or gathers the "
-                          "state (FULL_STATE_DICT), and resume_path writes no folder of that layout (on CPU, accelerate "
-                          "drops the FSDP plugin and trains unsharded: FSDP needs accelerators). Ways on: let the "
-                          "Trainer save them (no MpckptCallback); DDP, which MpckptCallback saves (every rank's "
-                          "generators too); FSDP2 in a loop of your own, saved with dcp.save through "
-                          "mpckpt.integrations.dcp.StorageWriter; in Lightning, "
-                          "mpckpt.integrations.lightning_dcp.MpckptFSDPStrategy")
-
-
-def _retention(args: TrainingArguments) -> mpckpt.RetentionPolicy | None:
-    """``save_total_limit`` (and the best checkpoint, which the Trainer's rotation keeps) as mpckpt retention."""
-    if not args.save_total_limit:
-        return None
-    keep: mpckpt.RetentionPolicy = mpckpt.KeepLast(int(args.save_total_limit))
-    if args.metric_for_best_model:
-        keep = keep | mpckpt.KeepBest(1, _metric_name(args), "max" if args.greater_is_better else "min")
-    return keep
-
-
-def _metric_name(args: TrainingArguments) -> str:
-    name = str(args.metric_for_best_model)
-    return name if name.startswith("eval_") else f"eval_{name}"
-
-
-def _record_best(args: TrainingArguments, state: TrainerState, metrics: Mapping[str, Any]) -> bool:
-    """``save_strategy="best"``: update ``state.best_metric`` / ``best_global_step`` as the Trainer
-    would, and say whether it improved.
-
-    The Trainer compares strictly right after every callback's ``on_evaluate`` and saves when the
-    metric improved; done here first, its own check finds no improvement and saves nothing. (With
-    the other strategies the Trainer records the best itself, before the snapshot is taken.)
-    Callbacks after this one in ``callbacks=`` see the new best already in their ``on_evaluate``.
-    """
-    if not args.metric_for_best_model:
-        return False
-    name = _metric_name(args)
-    if name not in metrics:
-        return False  # the Trainer raises a KeyError naming the metric right after
-    value = float(metrics[name])
-    if state.best_metric is None:
-        state.best_metric = -math.inf if args.greater_is_better else math.inf
-    better = value > state.best_metric if args.greater_is_better else value < state.best_metric
-    if better:
-        state.best_metric = value
-        if args.save_strategy in ("steps", "epoch", "best"):
-            state.best_global_step = state.global_step
-    return better
-
-
-def _trainer_state(state: TrainerState, control: TrainerControl, claimed_at: int) -> dict[str, Any]:
-    """The ``trainer_state.json`` the Trainer would write at its save point."""
-    data = dataclasses.asdict(state)
-    # the summary entry train() appends after the last save point is not part of the checkpoint
-    data["log_history"] = [entry for i, entry in enumerate(data["log_history"])
-                           if i < claimed_at or _SUMMARY_KEY not in entry]
-    callbacks = dict(data.get("stateful_callbacks") or {})
-    for cb in [*_exportable_callbacks(), control]:
-        if hasattr(cb, "state") and callable(cb.state):
-            callbacks[type(cb).__name__] = cb.state()
-    if isinstance(callbacks.get("TrainerControl"), dict) and isinstance(callbacks["TrainerControl"].get("args"), dict):
-        callbacks["TrainerControl"]["args"]["should_save"] = True  # as at the Trainer's save (we cleared the flag)
-    data["stateful_callbacks"] = callbacks
-    return data
-
-
-def _exportable_callbacks() -> list[Any]:
-    """The Trainer's callbacks with a state of their own (``ExportableState``: early stopping ...).
-
-    Callbacks are not given the handler; its ``call_event`` frame holds it (a few frames up:
-    ``_flush`` <- our event method <- ``call_event``). Nothing found: only ``TrainerControl``.
-    """
-    exportable = getattr(_transformers.trainer_callback, "ExportableState", None)
-    if exportable is None:
-        return []
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            break
-        handler = frame.f_locals.get("self")
-        callbacks = getattr(handler, "callbacks", None)
-        if isinstance(callbacks, list) and type(handler).__name__ == "CallbackHandler":
-            return [cb for cb in callbacks if isinstance(cb, exportable) and not isinstance(cb, TrainerControl)]
-        frame = frame.f_back
-    return []
 
 
 # -- resuming --------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 A tiny GPT-2 (from a config, dropout on) trains on a small in-memory dataset, shuffled, over
 two epochs (6 optimizer steps an epoch):
 
+Most of these run with ``trainer_folders=False`` (the root only, as before the callback wrote the
+Trainer's folders); the folders themselves are ``test_transformers_folders.py``'s.
+
 - A run stopped by an exception after step 5 (or 7) and resumed with
   ``resume_from_checkpoint=resume_path(root)`` from the checkpoint of step 3 (mid-epoch) or 6
   (the epoch's end) gives, bit for bit, the per-step losses and the final weights of the
@@ -22,6 +25,8 @@ two epochs (6 optimizer steps an epoch):
   when the resume finds it gone).
 - ``best_model_checkpoint`` is a folder of the best step that ``from_pretrained`` reads, where
   the Trainer's own is ``checkpoint-N``; the Trainer's ``load_best_model_at_end`` loads it.
+- With the Trainer's folders (the default) they are written at the Trainer's own steps and
+  rotated as ``save_total_limit`` says.
 - ``resume_path`` folders have the Trainer's ``config.json``, ``generation_config.json`` and
   ``training_args.bin``.
 - A ``train()`` that starts before the root's newest step (a fresh run, a resume from an older
@@ -140,7 +145,7 @@ EVALUATING = {"eval_strategy": "steps", "eval_steps": 3, "metric_for_best_model"
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Recording:
     """The uninterrupted run (saving through the callback too)."""
     tmp = tmp_path_factory.mktemp("whole")
-    run = trainer(tmp, [MpckptCallback(tmp / "ckpt", workers=1)], **EVALUATING)
+    run = trainer(tmp, [MpckptCallback(tmp / "ckpt", workers=1, trainer_folders=False)], **EVALUATING)
     run.train()
     assert sorted(run.losses) == list(range(1, MAX_STEPS + 1))
     return run
@@ -152,20 +157,20 @@ def test_stopped_and_resumed_run_is_bit_identical(tmp_path: Path, whole: Recordi
 
     root = tmp_path / "b" / "ckpt"
     assert resume_path(root) is None  # nothing saved yet: the same line starts a fresh run
-    callback = MpckptCallback(root, workers=1)
+    callback = MpckptCallback(root, workers=1, trainer_folders=False)
     first = trainer(tmp_path / "b", [callback, CrashAt(crash_after)], **evaluating)
     with pytest.raises(Crash):
         first.train(resume_from_checkpoint=resume_path(root))
     callback.close()  # what the Checkpointer's finalizer does at exit: pending saves are committed
     saved = (crash_after // 3) * 3
     assert mpckpt.Checkpointer(root, read_only=True).latest_step == saved
-    assert hf_folders(first) == []  # the Trainer's own synchronous save never ran
+    assert hf_folders(first) == []  # the Trainer's own synchronous save never ran (and no folder was asked for)
 
     path = resume_path(root)
     assert path is not None and Path(path).name == f"checkpoint-{saved}"
     if crash_after == 7:  # resumed on another machine: the best step's folder is not there
         shutil.rmtree(Path(first.args.output_dir) / "mpckpt-best")
-    second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1)], **evaluating)
+    second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1, trainer_folders=False)], **evaluating)
     second.train(resume_from_checkpoint=path)
 
     assert sorted(second.losses) == list(range(saved + 1, MAX_STEPS + 1))
@@ -232,7 +237,7 @@ def test_saves_at_the_trainers_own_steps(tmp_path: Path, strategy: str) -> None:
     root = tmp_path / "ckpt"
     ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1)], **extra)
     ours.train()
-    assert hf_folders(ours) == []
+    assert hf_folders(ours) == expected  # the Trainer's folders, written from the committed steps
     with mpckpt.Checkpointer(root, read_only=True) as ckpt:
         assert ckpt.steps() == expected
     assert ours.state.best_global_step == hf.state.best_global_step
@@ -258,6 +263,7 @@ def test_save_total_limit_keeps_the_newest(tmp_path: Path) -> None:
     with mpckpt.Checkpointer(root, read_only=True) as ckpt:
         assert ckpt.steps() == [8, 10]
         assert ckpt.best(1, "epoch", "max") == [10]
+    assert hf_folders(t) == [8, 10]  # the Trainer's rotation of its folders
 
 
 def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
@@ -267,7 +273,8 @@ def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
     hf = trainer(tmp_path / "hf", [], processing_class=tokenizer(), **extra)
     hf.train()
     root = tmp_path / "ckpt"
-    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1)], processing_class=tokenizer(), **extra)
+    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1, trainer_folders=False)],
+                   processing_class=tokenizer(), **extra)
     ours.train()
     best = hf.state.best_global_step
     assert best is not None and best != MAX_STEPS, "the test needs a best step before the last one"
@@ -298,7 +305,8 @@ def test_a_best_folder_that_cannot_be_written_is_raised_by_train(tmp_path: Path)
     (tmp_path / "file").write_text("not a folder")
     root = tmp_path / "ckpt"
     extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=3, metric_for_best_model="eval_loss")
-    t = trainer(tmp_path, [MpckptCallback(root, workers=1, best_model_dir=tmp_path / "file" / "best")], **extra)
+    t = trainer(tmp_path, [MpckptCallback(root, workers=1, trainer_folders=False,
+                                          best_model_dir=tmp_path / "file" / "best")], **extra)
     with pytest.raises(MpckptError, match="could not write the best checkpoint's folder"):
         t.train()
     assert mpckpt.Checkpointer(root, read_only=True).steps() == [3, 6, 9, 10]  # the checkpoints are committed
@@ -309,7 +317,8 @@ def test_best_model_dir_false_leaves_best_model_checkpoint_none(tmp_path: Path) 
     extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True,
                                  metric_for_best_model="eval_loss", learning_rate=3e-2)
     root = tmp_path / "ckpt"
-    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1, best_model_dir=False)], **extra)
+    ours = trainer(tmp_path / "ours", [MpckptCallback(root, workers=1, trainer_folders=False, best_model_dir=False)],
+                   **extra)
     ours.train()
     best = ours.state.best_global_step
     assert best is not None and best != MAX_STEPS
