@@ -36,6 +36,15 @@ from mpckpt.format.manifest import Manifest
 from mpckpt.storage import open_backend, spec_for_url
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file or folder (a folder: the names in it) to disk, as exports do before and after a rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def printable(text: object) -> str:
     """``text`` with control characters (C0, DEL, C1) shown as escapes, never sent raw."""
     return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(text))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mpckpt._futures import size_text
-from mpckpt.cli._common import BadArguments, say, state_items
+from mpckpt.cli._common import BadArguments, fsync_path, say, state_items
 from mpckpt.errors import MpckptError
 
 
@@ -68,11 +68,7 @@ def _write(target: Path, state: dict[str, Any]) -> None:
         except OSError as e:
             raise BadArguments(f"--to {target}: cannot put the folder in place ({e}); name a new or empty "
                                "folder") from e
-        fd = os.open(target.absolute().parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(target.absolute().parent)
     except (OSError, ValueError, TypeError, RuntimeError) as e:
         raise MpckptError(f"cannot write {target}: {type(e).__name__}: {str(e)[:500]}") from e
     finally:

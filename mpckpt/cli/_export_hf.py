@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from mpckpt.cli._common import BadArguments, shorten
+from mpckpt.cli._common import BadArguments, fsync_path, shorten
 from mpckpt.config import parse_bytes
 from mpckpt.errors import ConfigError, MpckptError
 from mpckpt.integrations._transformers_folder import CONFIG, GENERATION_CONFIG
@@ -164,7 +164,7 @@ def write(target: Path, tensors: dict[str, torch.Tensor], *, dropped: Mapping[st
     try:
         os.mkdir(tmp)
         _write_files(tmp, tensors, dropped=dropped, configs=configs, max_bytes=max_bytes, written=written)
-        _fsync(tmp)
+        fsync_path(tmp)
         if force and target.is_dir() and any(target.iterdir()):
             check_target(target, force=True)  # still a folder of model files only
             os.rename(target, old)  # the old one goes aside whole: DIR is never half replaced
@@ -174,7 +174,7 @@ def write(target: Path, tensors: dict[str, torch.Tensor], *, dropped: Mapping[st
             if old.exists():
                 os.rename(old, target)
             raise BadArguments(f"--to {target}: cannot put the folder in place ({e}); name a new or empty folder") from e
-        _fsync(parent)
+        fsync_path(parent)
     except BadArguments:
         raise
     except (OSError, ValueError, TypeError, RuntimeError) as e:
@@ -203,7 +203,7 @@ def _write_files(folder: Path, tensors: dict[str, torch.Tensor], *, dropped: Map
             save_file({name: tensors[name] for name in group}, str(folder / file), metadata=metadata)
         except SafetensorError as e:
             raise ValueError(str(e)) from e
-        _fsync(folder / file)
+        fsync_path(folder / file)
         weight_map.update(dict.fromkeys(group, file))
     written.files += names
     written.tensors = len(tensors)
@@ -223,11 +223,3 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

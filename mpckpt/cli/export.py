@@ -47,6 +47,7 @@ from mpckpt.cli._common import (
     children,
     chosen_step,
     dotted,
+    fsync_path,
     say,
     shorten,
     state_items,
@@ -310,7 +311,7 @@ def _write(target: Path, write: Callable[[str], None], *, force: bool) -> None:
                 if target.exists():
                     raise BadArguments(f"{target} exists; pass --force to replace it") from None
                 os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
     except OSError as e:
         raise MpckptError(f"cannot write {target}: {e}") from e
     finally:
@@ -318,12 +319,3 @@ def _write(target: Path, write: Callable[[str], None], *, force: bool) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-

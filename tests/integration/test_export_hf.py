@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,17 +36,12 @@ import mpckpt  # noqa: E402
 from mpckpt.errors import ConfigError  # noqa: E402
 from mpckpt.integrations._transformers_folder import model_files  # noqa: E402
 from tests.conftest import assert_same  # noqa: E402
+from tests.integration.test_cli_more import cli  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: object) -> subprocess.CompletedProcess[str]:
-    """``python -m mpckpt.cli ARGS``: the command as a user runs it."""
-    done = subprocess.run([sys.executable, "-m", "mpckpt.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    return done
 
 
 def tiny_gpt2(seed: int) -> GPT2LMHeadModel:
