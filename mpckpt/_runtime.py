@@ -276,10 +276,12 @@ class Runtime(ReadsCommitted):
     def set_aside(self, steps: list[int], *, move: bool = True) -> list[str]:
         return self.deletions.set_aside(steps, move=move)  # see Deletions.set_aside
 
-    def discard_after(self, step: int) -> list[int]:
+    def discard_after(self, step: int, *, keep: bool = False) -> list[int]:
         if self.group is not None:
             raise ConfigError("discard_newer() is not available in a multi-rank job; delete the newer checkpoints "
                               "with `mpckpt rm` before the job starts")
+        if keep:
+            return self.deletions.set_aside_after(step)  # see Deletions.set_aside_after
         return self.deletions.discard_after(step)  # see Deletions.discard_after
 
     def delete(self, steps: list[int], *, damaged: bool) -> None:

@@ -227,15 +227,14 @@ class Checkpointer:
             raise ConfigError("delete() needs the steps of the checkpoints to delete")
         self._writer().delete([_check_int(s) for s in steps], damaged=damaged)
 
-    def discard_newer(self, step: int) -> list[int]:
-        """Delete the committed checkpoints newer than ``step``, so that saving goes on from there:
-        what ``restore(state, step=N, discard_newer=True)`` does after its restore, for a run that
-        got to ``step`` another way (a framework's own resume; ``0``: a fresh start). Returns the
-        deleted steps. Waits for pending saves first; refused when a damaged checkpoint newer than
-        ``step`` is in the way (``StepOrderError``) and in a multi-rank job (``ConfigError``).
-        """
+    def discard_newer(self, step: int, *, keep: bool = False) -> list[int]:
+        """Delete the committed checkpoints newer than ``step``, so that saving goes on from there
+        (a run that got to ``step`` another way: a framework's own resume; ``0``: a fresh start); the
+        steps. Waits for pending saves; refused when a damaged one newer than ``step`` is in the way
+        (``StepOrderError``) and in a job (``ConfigError``). ``keep=True`` deletes nothing: each
+        goes, whole, to ``superseded.step_<step>.<UTC time>`` (damaged ones: ``damaged.``), kept."""
         self._check_usable()
-        return self._writer().discard_after(_check_int(step))
+        return self._writer().discard_after(_check_int(step), keep=bool(keep))
 
     def forget_deleted(self) -> list[int]:
         """Stop listing the committed checkpoints someone else deleted (a framework's retention, such

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 from mpckpt._commit.shared import deletion_blockers
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, StepOrderError
 from mpckpt.format.manifest import MANIFEST_NAME, Manifest
-from mpckpt.format.names import aside_name, checkpoint_name
+from mpckpt.format.names import ASIDE_PREFIX, SUPERSEDED_PREFIX, aside_name, checkpoint_name
 from mpckpt.storage import Backend
 
 if TYPE_CHECKING:
@@ -116,9 +116,11 @@ class Deletions:
     wait: Callable[[float], None]  # for pending saves, validations and deletions (``Runtime.wait``)
     raise_unseen: Callable[[], None]  # background failures nobody saw yet
 
-    def set_aside(self, steps: list[int], *, move: bool = True) -> list[str]:
+    def set_aside(self, steps: list[int], *, move: bool = True, superseded: bool = False) -> list[str]:
         """Move the damaged checkpoints of ``steps`` (newer than the one a restore went back to)
-        out of the way, whole, to ``damaged.step_<step>.<UTC time>``; return those names.
+        out of the way, whole, to ``damaged.step_<step>.<UTC time>``; return those names
+        (``superseded``: intact ones a run going on from an older step went back past, to
+        ``superseded.step_<step>.<UTC time>``).
 
         Nothing is deleted: what they hold stays for a look (and the shared files they list stay
         with them), but they are no longer checkpoints, so the run saves those steps again. In a
@@ -127,19 +129,33 @@ class Deletions:
         committed = self.ledger.committed()
         self.ledger.set_aside(steps)  # first: refused while saves are pending
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+        prefix, what = (SUPERSEDED_PREFIX, "checkpoint") if superseded else (ASIDE_PREFIX, "damaged checkpoint")
         moved = []
         for step in sorted(steps, reverse=True):
-            name, aside = checkpoint_name(step), aside_name(step, stamp)
+            name, aside = checkpoint_name(step), aside_name(step, stamp, prefix=prefix)
             self.frozen.forget_folder(name)
             if step in committed:  # its shared files stay: the moved manifest lists them
                 self.frozen.let_go([committed[step]])
             self.damaged.pop(step, None)
             if move:
                 self.backend.set_aside(name, aside)
-                log.warning("mpckpt: moved the damaged checkpoint of step %d to %s/%s (kept for a look; delete it "
-                            "when done); step %d will be saved again", step, self.backend.url, aside, step)
+                log.warning("mpckpt: moved the %s of step %d to %s/%s (kept for a look; delete it when done); "
+                            "step %d will be saved again", what, step, self.backend.url, aside, step)
             moved.append(aside)
         return moved
+
+    def set_aside_after(self, step: int) -> list[int]:
+        """Move the checkpoints newer than ``step`` aside, now, so saving goes on from it (intact
+        ones as superseded, damaged ones as damaged); their steps."""
+        self.wait(self.timeout_s)
+        self.raise_unseen()
+        damaged = sorted(s for s in self.damaged if s > step)
+        intact = sorted(s for s in self.ledger.committed() if s > step and s not in self.damaged)
+        if intact:
+            self.set_aside(intact, superseded=True)
+        if damaged:
+            self.set_aside(damaged)
+        return sorted(intact + damaged)
 
     def discard_after(self, step: int) -> list[int]:
         """Delete the committed checkpoints newer than ``step``, now, so saving goes on from it."""

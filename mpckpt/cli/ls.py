@@ -39,7 +39,7 @@ from mpckpt.cli._common import (
 )
 from mpckpt.errors import MpckptError
 from mpckpt.format.manifest import Manifest
-from mpckpt.format.names import is_aside_name, step_of
+from mpckpt.format.names import SUPERSEDED_PREFIX, is_aside_name, step_of
 
 # the table's first line; each name stands over its column (SIZE: the checkpoint's own folder)
 HEADER = f"{'STEP':>10}  {'TIME (UTC)':<25}  {'KIND':<9} {'SIZE':>14}  {'FILES':>10}  METRICS"
@@ -58,13 +58,14 @@ def run(args: argparse.Namespace) -> int:
     for step in sorted(problems):
         complain(f"step {step}: {problems[step]}")
     for name in _set_aside(backend):
-        complain(f"set aside: {name}/ (a damaged checkpoint restore(fallback=True) went back past; no longer a "
-                 "checkpoint, kept for a look: delete that folder when done)")
+        why = ("a checkpoint a run going on from an older step went back past" if name.startswith(SUPERSEDED_PREFIX)
+               else "a damaged checkpoint restore(fallback=True) went back past")
+        complain(f"set aside: {name}/ ({why}; no longer a checkpoint, kept for a look: delete that folder when done)")
     return 1 if problems else 0
 
 
 def _set_aside(backend: Any) -> list[str]:
-    """The folders of damaged checkpoints a run moved aside (``format.names.aside_name``)."""
+    """The folders of checkpoints a run moved aside (``format.names.aside_name``: damaged, superseded)."""
     try:
         return [name for name in backend.list_names() if is_aside_name(name)]
     except MpckptError:

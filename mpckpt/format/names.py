@@ -9,7 +9,9 @@ checkpoints use (frozen shards) live in ``shared/``, each under a name no other 
 (``shared_path``: the step that wrote it, a random token, the shard's file name), so a shared
 file is never overwritten and deleting any one checkpoint folder never takes it away. A
 damaged checkpoint that ``restore(fallback=True)`` went back past is moved, whole, to
-``damaged.step_<step>.<UTC time>`` (``aside_name``): kept for a look, no longer in the way. Every
+``damaged.step_<step>.<UTC time>`` (``aside_name``): kept for a look, no longer in the way; an
+intact one that a run going on from an older step went back past (``discard_newer(step,
+keep=True)``), to ``superseded.step_<step>.<UTC time>``. Every
 path below the root is relative, uses ``/`` and never escapes it (``check_relpath``). Storage
 backends and the format both use these names: they live here, below both.
 
@@ -32,6 +34,7 @@ USER_FILES = "files/"  # where a directory checkpoint keeps the user's files (fo
 STEP_PREFIX = "step_"
 SHARED_FOLDER = "shared"  # files several checkpoints use (format version 3)
 ASIDE_PREFIX = "damaged."  # damaged checkpoints a run went back past: kept, no longer checkpoints
+SUPERSEDED_PREFIX = "superseded."  # intact checkpoints a run going on from an older step went back past
 _STEP_NAME_RE = re.compile(r"step_([0-9]{10,})")
 _SHARED_PATH_RE = re.compile(r"shared/[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _OUR_SHARED_RE = re.compile(r"shared/step_[0-9]{10,}\.[0-9a-f]+\..+")
@@ -65,18 +68,19 @@ def step_of(name: str) -> int | None:
     return step if checkpoint_name(step) == name else None
 
 
-def aside_name(step: int, when: str) -> str:
-    """The folder a damaged checkpoint of ``step`` is moved to when a run goes back past it.
+def aside_name(step: int, when: str, *, prefix: str = ASIDE_PREFIX) -> str:
+    """The folder a checkpoint of ``step`` is moved to when a run goes back past it: a damaged
+    one (``ASIDE_PREFIX``), or an intact one a run went on from an older step (``SUPERSEDED_PREFIX``).
 
     ``when`` is a UTC time (``20261124T173000Z``) plus whatever makes it unique. Never a
     checkpoint name: nothing reads it as one, and the step can be saved again.
     """
-    return f"{ASIDE_PREFIX}{checkpoint_name(step)}.{when}"
+    return f"{prefix}{checkpoint_name(step)}.{when}"
 
 
 def is_aside_name(name: str) -> bool:
-    """Whether a top-level folder is a damaged checkpoint a run set aside (``aside_name``)."""
-    return name.startswith(ASIDE_PREFIX) and "/" not in name
+    """Whether a top-level folder is a checkpoint a run set aside (``aside_name``, either kind)."""
+    return name.startswith((ASIDE_PREFIX, SUPERSEDED_PREFIX)) and "/" not in name
 
 
 def shared_path(step: int, filename: str) -> str:

@@ -16,6 +16,7 @@ starts with a dot, then renamed), so a reader (``get_last_checkpoint``, the Trai
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import copy
 import io
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,12 +34,15 @@ from typing import Any
 
 import torch
 
+import mpckpt
 from mpckpt import Checkpointer, SaveFuture
 from mpckpt._threads import executor
-from mpckpt.errors import CheckpointNotFoundError
+from mpckpt.errors import CheckpointNotFoundError, StateError
 from mpckpt.integrations import require
 
 log = logging.getLogger("mpckpt")
+
+FORMAT = "mpckpt-transformers-1"  # the ``format`` value of every state MpckptCallback saves
 
 # the keys of a save that hold the model's and the run's description, not training state
 CONFIG, GENERATION_CONFIG, TRAINING_ARGS = "config", "generation_config", "training_args"
@@ -272,3 +277,50 @@ def rotation(output_dir: str, limit: int | None, writer: FolderWriter,
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
                 extra -= 1
     return rotate
+
+
+# -- resume_path: a folder of a step, for resume_from_checkpoint --------------------------------------------------------------------------------------
+_MADE: list[str] = []
+
+
+def _remove_made() -> None:
+    for path in _MADE:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+atexit.register(_remove_made)
+
+
+def resume_path(root: str | os.PathLike[str], step: int | None = None, *, directory: str | os.PathLike[str] | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """What ``trainer.train(resume_from_checkpoint=...)`` takes: a folder in the Trainer's layout.
+
+    Materialized from the newest committed checkpoint under ``root`` (or ``step``) into
+    ``directory/checkpoint-<step>`` (default: a temporary folder removed at exit): the weights,
+    optimizer, scheduler, generators and trainer state, with ``config.json``,
+    ``generation_config.json`` and ``training_args.bin`` as the Trainer writes them.
+    ``None`` when ``root`` has no checkpoint yet, so ``resume_from_checkpoint=resume_path(root)``
+    starts a fresh run the first time and resumes afterwards. To go on from an older ``step``,
+    give the callback ``discard_newer=True`` (the newer checkpoints are deleted when training starts).
+    """
+    started = time.perf_counter()
+    try:
+        state = mpckpt.load(root, step, storage_options=storage_options)
+    except CheckpointNotFoundError:
+        if step is not None:
+            raise
+        return None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise StateError(f"the checkpoint of {root} was not saved by MpckptCallback (no format {FORMAT!r}); "
+                         "load it with mpckpt.load or Checkpointer.restore instead")
+    saved_step = int(json.loads(state["trainer_state"])["global_step"])
+    if directory is None:
+        parent = tempfile.mkdtemp(prefix="mpckpt-hf-resume-")
+        _MADE.append(parent)
+    else:
+        parent = os.fspath(directory)
+    folder = os.path.join(parent, f"checkpoint-{saved_step}")
+    write_folder(state, folder)
+    log.info("mpckpt: step %s of %s materialized for the Trainer in %s (%.0f ms)", saved_step, root, folder,
+             (time.perf_counter() - started) * 1e3)
+    return folder

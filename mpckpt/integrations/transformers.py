@@ -80,19 +80,17 @@ a copy only.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import mpckpt
 from mpckpt.config import UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError, MpckptError, StateError, StepOrderError
+from mpckpt.errors import ConfigError, MpckptError, StateError, StepOrderError
 from mpckpt.integrations import require
 
 _transformers = require("transformers", "transformers")
@@ -101,10 +99,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from mpckpt.integrations._transformers_folder import (  # noqa: E402
     FOLDER,
+    FORMAT,
     FolderWriter,
     model_files,
+    resume_path,
     rotation,
-    write_folder,
 )
 from mpckpt.integrations._transformers_folder import RANKS_RNG as _RANKS_RNG  # noqa: E402
 from mpckpt.integrations._transformers_rules import (  # noqa: E402
@@ -120,7 +119,6 @@ log = logging.getLogger("mpckpt")
 
 __all__ = ["MpckptCallback", "resume_path"]
 
-FORMAT = "mpckpt-transformers-1"  # the ``format`` value of every state this module saves
 _BEST_DIR = "mpckpt-best"  # under output_dir: the best checkpoint's folder (trainer_folders=False)
 ROOT_SUFFIX = ".mpckpt"  # the root when none is given: <output_dir>.mpckpt, beside the output folder
 
@@ -219,21 +217,31 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
                 self._best_saved(state, int(state.best_global_step))
 
     def _go_on_from(self, start: int, args: TrainingArguments) -> None:
-        """Refuse a ``train()`` that starts before the root's newest step, or (``discard_newer``)
-        delete the newer checkpoints: steps only increase, so it would save nothing otherwise."""
+        """Make the root go on from ``start`` when it holds newer steps (steps only increase, so
+        nothing could be saved otherwise): a resume from an older ``checkpoint-N`` moves the newer
+        checkpoints aside, whole (``superseded.step_*`` in the root: kept, no longer checkpoints),
+        as the Trainer replaces its newer folders when it saves those steps again; with
+        ``discard_newer`` they are deleted, with their folders; a fresh run (step 0) is refused."""
         assert self.checkpointer is not None
         latest = self.checkpointer.latest_step
         if latest is None or latest <= start:
             return
         newer = [s for s in self.checkpointer.steps() if s > start]
-        if not self.discard_newer:
-            begins = "a fresh run (step 0)" if start == 0 else f"a resume from step {start}"
+        if not self.discard_newer and start == 0:
             raise StepOrderError(
                 f"MpckptCallback: {self.checkpointer.url} already holds checkpoints up to step {latest} "
-                f"(newer than step {start}: {newer[-5:]}), and this train() is {begins}; steps must increase, so "
-                "none of its saves could be made. To go on from the newest: "
-                "train(resume_from_checkpoint=resume_path(root)); to go on from this step and delete the newer "
-                "checkpoints: MpckptCallback(root, discard_newer=True); to keep them: a new root")
+                f"({newer[-5:]}), and this train() is a fresh run (step 0); steps must increase, so none of its "
+                "saves could be made. To go on from the newest: train(resume_from_checkpoint=True) (without the "
+                "folders: resume_path(root)); to start "
+                "afresh and delete them: MpckptCallback(root, discard_newer=True); to keep them: a new root "
+                "(another output_dir)")
+        if not self.discard_newer:
+            log.warning("mpckpt: train() resumes from step %d of %s, which holds newer checkpoints %s: moving them "
+                        "aside (superseded.step_* in the root, kept; delete them when done), as the Trainer replaces "
+                        "its newer folders; MpckptCallback(discard_newer=True) deletes them instead",
+                        start, self.checkpointer.url, newer)
+            self.checkpointer.discard_newer(start, keep=True)
+            return
         log.warning("mpckpt: discard_newer=True: train() starts from step %d; deleting the newer checkpoints %s "
                     "of %s", start, newer, self.checkpointer.url)
         self.checkpointer.discard_newer(start)
@@ -451,50 +459,3 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
             return
         model.load_state_dict(self.checkpointer.load(best)["model"])
         log.info("mpckpt: loaded the best model (step %s, %s=%s)", best, "best_metric", state.best_metric)
-
-
-# -- resuming --------------------------------------------------------------------------------------
-_MADE: list[str] = []
-
-
-def _remove_made() -> None:
-    for path in _MADE:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-atexit.register(_remove_made)
-
-
-def resume_path(root: str | os.PathLike[str], step: int | None = None, *, directory: str | os.PathLike[str] | None = None,
-                storage_options: Mapping[str, Any] | None = None) -> str | None:
-    """What ``trainer.train(resume_from_checkpoint=...)`` takes: a folder in the Trainer's layout.
-
-    Materialized from the newest committed checkpoint under ``root`` (or ``step``) into
-    ``directory/checkpoint-<step>`` (default: a temporary folder removed at exit): the weights,
-    optimizer, scheduler, generators and trainer state, with ``config.json``,
-    ``generation_config.json`` and ``training_args.bin`` as the Trainer writes them.
-    ``None`` when ``root`` has no checkpoint yet, so ``resume_from_checkpoint=resume_path(root)``
-    starts a fresh run the first time and resumes afterwards. To go on from an older ``step``,
-    give the callback ``discard_newer=True`` (the newer checkpoints are deleted when training starts).
-    """
-    started = time.perf_counter()
-    try:
-        state = mpckpt.load(root, step, storage_options=storage_options)
-    except CheckpointNotFoundError:
-        if step is not None:
-            raise
-        return None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise StateError(f"the checkpoint of {root} was not saved by MpckptCallback (no format {FORMAT!r}); "
-                         "load it with mpckpt.load or Checkpointer.restore instead")
-    saved_step = int(json.loads(state["trainer_state"])["global_step"])
-    if directory is None:
-        parent = tempfile.mkdtemp(prefix="mpckpt-hf-resume-")
-        _MADE.append(parent)
-    else:
-        parent = os.fspath(directory)
-    folder = os.path.join(parent, f"checkpoint-{saved_step}")
-    write_folder(state, folder)
-    log.info("mpckpt: step %s of %s materialized for the Trainer in %s (%.0f ms)", saved_step, root, folder,
-             (time.perf_counter() - started) * 1e3)
-    return folder

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +204,25 @@ def test_discard_newer_lets_a_run_that_got_to_a_step_another_way_save_on(tmp_pat
             ckpt.discard_newer(-1)
     assert mpckpt.load(root)["w"].tolist() == [20.0] * 4
     assert not (root / "step_0000000003").exists()
+
+
+def test_discard_newer_keep_moves_the_newer_aside_whole_and_saving_goes_on(tmp_path):
+    """``discard_newer(step, keep=True)``: nothing deleted; each newer checkpoint is moved, whole, to
+    ``superseded.step_*`` (no longer a checkpoint: ``ls`` says so), and its step is saved again."""
+    root = tmp_path / "run"
+    with mpckpt.Checkpointer(root, workers=1) as ckpt:
+        for step in range(4):
+            ckpt.save(step, {"w": torch.full((4,), float(step))})
+        assert ckpt.discard_newer(1, keep=True) == [2, 3]  # waits for the pending saves first
+        assert ckpt.steps() == [0, 1]
+        ckpt.save(2, {"w": torch.full((4,), 20.0)})
+    assert mpckpt.load(root)["w"].tolist() == [20.0] * 4
+    aside = sorted(p.name for p in root.iterdir() if p.name.startswith("superseded."))
+    assert [a.split(".")[1] for a in aside] == ["step_0000000002", "step_0000000003"], aside
+    for name, value in zip(aside, (2.0, 3.0), strict=True):  # what it held, verified: a copy reads as a checkpoint
+        copy = tmp_path / "copies" / name.split(".")[1]
+        shutil.copytree(root / name, copy)
+        assert mpckpt.load(copy)["w"].tolist() == [value] * 4
+    listed = subprocess.run([sys.executable, "-m", "mpckpt.cli", "ls", str(root)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert f"set aside: {aside[0]}/ (a checkpoint a run going on from an older step went back past" in listed.stderr

@@ -29,9 +29,10 @@ Trainer's folders); the folders themselves are ``test_transformers_folders.py``'
   rotated as ``save_total_limit`` says.
 - ``resume_path`` folders have the Trainer's ``config.json``, ``generation_config.json`` and
   ``training_args.bin``.
-- A ``train()`` that starts before the root's newest step (a fresh run, a resume from an older
-  step) is a ``StepOrderError`` before its first step, the root untouched; with
-  ``discard_newer=True`` the newer checkpoints go and the run saves on from its step.
+- A fresh ``train()`` into a root that holds a run is a ``StepOrderError`` before its first step,
+  the root untouched; a resume from an older step moves the newer checkpoints aside, whole
+  (``superseded.step_*``), and saves on from its step; with ``discard_newer=True`` the newer
+  checkpoints are deleted instead.
 """
 
 from __future__ import annotations
@@ -407,21 +408,38 @@ def test_a_fresh_run_into_a_used_root_is_refused_or_discards(tmp_path: Path) -> 
         assert torch.equal(new[name], tensor), name
 
 
-def test_a_resume_from_an_older_step_is_refused_or_discards_the_newer(tmp_path: Path) -> None:
-    """resume_path(root, step=3) of a root that holds steps 3..10: refused (the root untouched);
-    with discard_newer=True the steps after 3 go and the resumed run (other settings) saves its own."""
+def test_a_resume_from_an_older_step_sets_the_newer_aside_or_discards_them(tmp_path: Path) -> None:
+    """resume_path(root, step=3) of a root that holds steps 3..10: the newer ones are moved aside,
+    whole (kept, no longer checkpoints), and the resumed run (other settings) saves its own; with
+    discard_newer=True the steps after 3 are deleted instead."""
     root = tmp_path / "ckpt"
     first = trainer(tmp_path / "a", [MpckptCallback(root, workers=1)])
     first.train()
     path = resume_path(root, 3)
     assert path is not None
     changed = dict(max_grad_norm=1e-3)  # (the learning rate would come back with the optimizer and scheduler)
+    before = {s: mpckpt.load(root, s)["model"] for s in (6, 9, 10)}
     second = trainer(tmp_path / "b", [MpckptCallback(root, workers=1)], **changed)
-    with pytest.raises(StepOrderError, match=r"up to step 10 .*a resume from step 3.*discard_newer=True"):
-        second.train(resume_from_checkpoint=path)
-    assert second.losses == {}
+    second.train(resume_from_checkpoint=path)
+    assert sorted(second.losses) == list(range(4, MAX_STEPS + 1))
+    aside = sorted(p.name for p in root.iterdir() if p.name.startswith("superseded."))
+    assert [name.split(".")[1] for name in aside] == ["step_0000000006", "step_0000000009", "step_0000000010"]
+    for name in aside:  # whole: the manifest and the shards, as they were
+        step = int(name.split(".")[1][len("step_"):])
+        moved = tmp_path / "moved" / f"step_{step:010d}"
+        shutil.copytree(root / name, moved)
+        for key, tensor in mpckpt.load(moved)["model"].items():
+            assert torch.equal(tensor, before[step][key]), (name, key)
     with mpckpt.Checkpointer(root, read_only=True) as ckpt:
         assert ckpt.steps() == [3, 6, 9, 10]
+        resumed = ckpt.load(10)["model"]
+    for name, tensor in weights(second).items():
+        assert torch.equal(resumed[name], tensor), name
+    assert any(not torch.equal(resumed[n], t) for n, t in weights(first).items())
+    shutil.rmtree(root)  # the first run again, for the discard_newer case
+    first = trainer(tmp_path / "a2", [MpckptCallback(root, workers=1)])
+    first.train()
+    path = resume_path(root, 3)
 
     third = trainer(tmp_path / "b", [MpckptCallback(root, workers=1, discard_newer=True)], **changed)
     third.train(resume_from_checkpoint=path)
