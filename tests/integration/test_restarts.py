@@ -60,10 +60,20 @@ def test_init_process_group_is_torchs_own_call_where_no_attempt_store_is_needed(
 _PRELUDE = """
 import sys, torch, mpckpt
 torch.manual_seed(0)
-model = fsdp_model = torch.nn.Linear(4, 2)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x, y=None):  # model(x), or model(x, y): the loss
+        out = self.lin(x)
+        return out if y is None else ((out - y) ** 2).mean()
+
+model = fsdp_model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 state = {"model": model, "optim": opt}
-total = n_steps = int(sys.argv[2])
+total = n_steps = max_iters = int(sys.argv[2])
 epoch = 0
 
 def train_step():
@@ -71,6 +81,9 @@ def train_step():
     opt.step()
     opt.zero_grad()
     return 1.0
+
+def get_batch(split):
+    return torch.randn(3, 4), torch.randn(3, 2)
 """
 
 
@@ -81,18 +94,21 @@ def _restart_blocks() -> list[str]:
 
 def _runnable(block: str) -> str:
     """The block with its root (the first string given to ``mpckpt.Checkpointer`` or ``mpckpt.load``)
-    replaced by ``sys.argv[1]``."""
+    replaced by ``sys.argv[1]``; a block that uses a ``ckpt`` it does not open runs inside one."""
+    block = textwrap.dedent(block)
     roots = set(re.findall(r'mpckpt\.(?:Checkpointer|load)\("([^"]+)"', block))
-    assert roots, block
     for root in roots:
         block = block.replace(f'"{root}"', "sys.argv[1]")
-    return _PRELUDE + textwrap.dedent(block) + '\nprint("RESTORED", last)\n'
+    if not roots:
+        assert "ckpt." in block, block
+        block = "with mpckpt.Checkpointer(sys.argv[1]) as ckpt:\n" + textwrap.indent(block, "    ")
+    return _PRELUDE + block + '\nprint("RESTORED", last)\n'
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_each_readme_snippet_that_restarts_goes_on_after_a_step_0_checkpoint(tmp_path, index):
     blocks = _restart_blocks()
-    assert len(blocks) == 4, [b.splitlines()[0] for b in blocks]  # a new snippet: add it to the range above
+    assert len(blocks) == 5, [b.splitlines()[0] for b in blocks]  # a new snippet: add it to the range above
     script = tmp_path / "snippet.py"
     script.write_text(_runnable(blocks[index]))
     root = tmp_path / "root"
