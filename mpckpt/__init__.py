@@ -8,7 +8,34 @@ the package is cheap: the names are loaded on first use, so uploader processes t
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use (``_WHERE``)
+    from mpckpt import errors as errors
+    from mpckpt._futures import CheckpointerStats as CheckpointerStats
+    from mpckpt._futures import SaveFuture as SaveFuture
+    from mpckpt._futures import SaveResult as SaveResult
+    from mpckpt._futures import SaveStats as SaveStats
+    from mpckpt._read.view import load as load
+    from mpckpt.checkpoint import Checkpoint as Checkpoint
+    from mpckpt.checkpointer import Checkpointer as Checkpointer
+    from mpckpt.config import BudgetPolicy as BudgetPolicy
+    from mpckpt.config import UploadMode as UploadMode
+    from mpckpt.data import ResumableLoader as ResumableLoader
+    from mpckpt.data import ResumableSampler as ResumableSampler
+    from mpckpt.data import SeededDataset as SeededDataset
+    from mpckpt.loop import LoopState as LoopState
+    from mpckpt.per_rank import PerRank as PerRank
+    from mpckpt.policies import EveryNSeconds as EveryNSeconds
+    from mpckpt.policies import EveryNSteps as EveryNSteps
+    from mpckpt.policies import KeepBest as KeepBest
+    from mpckpt.policies import KeepEvery as KeepEvery
+    from mpckpt.policies import KeepInterval as KeepInterval
+    from mpckpt.policies import KeepLast as KeepLast
+    from mpckpt.policies import RetentionPolicy as RetentionPolicy
+    from mpckpt.policies import Trigger as Trigger
+    from mpckpt.process_group import init_process_group as init_process_group
+    from mpckpt.rng import RNGState as RNGState
 
 __all__ = [
     "BudgetPolicy",

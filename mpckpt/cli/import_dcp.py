@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with mpckpt.Checkpointer(args.root, workers=1, keep_in_memory=False, storage_options=options) as ckpt:
-            result = ckpt.save(args.step, state, mode=mpckpt.UploadMode.SYNC).result()
+            future = ckpt.save(args.step, state, mode=mpckpt.UploadMode.SYNC, force=True)  # (no trigger here)
+            assert future is not None, "a forced save always returns its future"
+            result = future.result()
     except StepOrderError as e:  # a step committed meanwhile by another writer
         raise BadArguments(f"step {args.step}: {e}") from e
     say(f"imported {source.url} into {args.root} as step {args.step}: {len(tensors)} tensors "
