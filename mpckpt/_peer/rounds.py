@@ -15,7 +15,9 @@ prefix, never a collective):
 - a step whose count is at the world size is copied everywhere.
 
 What is held for it (``_keep.agreement.to_hold``, the rule of the kept snapshots): a rank holds
-its own snapshot of the round's step until its copies are sent and of the newest
+its own snapshot of the round's step until its copies are sent, then until every rank is done
+with the round (the others' copies of that step may still be landing: were it let go, the
+receivers' newest copy of a step copied everywhere would have no partner), and of the newest
 step copied everywhere (``copied``); a receiver holds a source's newest copy and its copy of the
 newest step copied everywhere. So a node lost at any moment finds a step whose every part is
 held by a survivor: the newest copied everywhere, behind the newest save by at most the time
@@ -105,18 +107,28 @@ class Rounds:
 
     def pinned(self, k: int, held: Iterable[int], sending: int | None) -> set[int]:
         """The steps of this rank's own snapshots its copies need held (``held``: those it keeps),
-        read now: the round being sent (``sending``) or opened next (``k``), and the newest copied
-        everywhere."""
+        read now: the round being sent (``sending``) or opened next (``k``), the newest copied
+        everywhere, and the step of the round this rank is done with (``k - 1``) while the other
+        ranks may still be sending theirs: once they are, it may become the newest copied
+        everywhere, and the receivers then let the older copies go."""
         held = set(held)
-        out = set(self.refresh(held))
-        if out:
-            out = {max(out)}
+        copied = self.refresh(held)
+        newest = max(copied, default=-1)
+        out = {newest} if copied else set()
         if sending is not None:
             out.add(sending)
         upcoming = self.step_of(k)
         if upcoming is not None:
             out.add(upcoming)
+        previous = self.step_of(k - 1) if k > 0 else None
+        if previous is not None and previous > newest and not self._ended_uncopied(k - 1, previous):
+            out.add(previous)
         return out & held
+
+    def _ended_uncopied(self, k: int, step: int) -> bool:
+        """Whether round ``k`` (of ``step``) ended without its step copied everywhere (a rank
+        done counts its copies before the round's end is set: the count is final then)."""
+        return self.store.check([f"rep/end/{k}"]) and self.store.add(f"rep/ok/{step}", 0) < self.world_size
 
 
 def _waited(store: Any, key: str, timeout_s: float) -> bool:

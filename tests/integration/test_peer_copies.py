@@ -325,7 +325,7 @@ def test_memory_saves_every_step_a_node_lost_mid_training_restores_from_the_copi
         cluster.replace(1)
         views = run.restore()
     step = views[0]["step"]
-    assert sources(views) == [(step, "memory"), (step, "peer")], (views, copies)
+    assert sources(views) == [(step, "memory"), (step, "peer")], (views, copies, run.phase2_logs)
     assert step >= 1 and step in copies, (views, copies)
     for rank in range(2):
         run.assert_restored(rank, step)
