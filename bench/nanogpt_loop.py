@@ -17,7 +17,9 @@ The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a lapto
 - ``mpckpt_memory``: ``save`` every iteration, ``mode="memory"`` (kept in shared memory for a
   restart, nothing uploaded), and every ``--every``-th ASYNC (README, "Restarting from memory").
 
-``loop_s`` is the loop's wall time, saves included (``training_s``: less the time the saves
+``loop_s`` is the loop's wall time, saves included (``x none``: over the median of ``none``; ``x none,
+from step medians``: the same ratio from the median step at each position after a save plus the
+saves' blocked time, which moves far less with the machine) (``training_s``: less the time the saves
 blocked, what the steps took with the checkpointer working beside them); ``drain_s`` what the end waits for what is
 still in flight (the close, or DCP's last future), apart. ``ctx_switches`` is the process's
 voluntary context switches (all its threads) during the loop: an OpenMP team that stopped
@@ -184,6 +186,15 @@ def _child(case: str, args: argparse.Namespace) -> None:
                  "training_wait_s": (sched1[0] - sched0[0]) / 1e9, "training_slices": sched1[1] - sched0[1]})
 
 
+def _cycle_ms(runs: list[dict[str, Any]], iters: int, every: int) -> float:
+    """What ``every`` iterations cost, saves included, from medians: the median step at each
+    position after a save, summed, plus the time the saves blocked per ``every`` iterations (their
+    mean: the first save counts). Steps are hundreds of samples per run where the loop is one, so
+    this moves far less with the machine than the loop time does (the ``x none`` of the loops)."""
+    steps = sum(median([r["step_ms_by_position"][k] for r in runs]) for k in range(every))
+    return steps + median([1e3 * r["blocked_s"] / iters * every for r in runs])
+
+
 def _training_sched() -> tuple[int, int]:
     """Nanoseconds the training thread and its OpenMP workers (every thread that is not another
     Python thread) waited for a core, and the time slices they ran in (``/proc/<tid>/schedstat``;
@@ -223,11 +234,13 @@ def main() -> None:
     if remove:
         shutil.rmtree(folder, ignore_errors=True)
     base = median([r["loop_s"] for r in runs if r["case"] == "none"]) if "none" in cases else math.nan
+    base_cycle = _cycle_ms([r for r in runs if r["case"] == "none"], args.iters, args.every) if "none" in cases else math.nan
     rows = []
     for case in cases:
         mine = [r for r in runs if r["case"] == case]
         loop = median([r["loop_s"] for r in mine])
         rows.append({"case": case, "loop_s": loop, "vs_none": loop / base,
+                     "cycle_vs_none": _cycle_ms(mine, args.iters, args.every) / base_cycle,
                      "loops": " / ".join(f"{r['loop_s']:.1f}" for r in mine),
                      "drain_s": median([r["drain_s"] for r in mine]),
                      "blocked_ms": median([r["blocked_ms_median"] for r in mine]),
@@ -244,7 +257,8 @@ def main() -> None:
                                 ("training_s", "loop s less blocked", 2), ("ctx_switches", "vol. ctx switches", 0),
                                 ("foreign_cpu_pct", "other CPU % (max)", 1)]))
     print()
-    print(markdown_table(rows, [("case", "case", 0), ("training_wait_s", "training threads' wait for a core s", 2),
+    print(markdown_table(rows, [("case", "case", 0), ("cycle_vs_none", "x none, from step medians", 3),
+                                ("training_wait_s", "training threads' wait for a core s", 2),
                                 ("training_slices", "their time slices", 0),
                                 ("after_save", "step ms by iteration after the save (1st ... last)", 0)]))
     if args.json:
