@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mpckpt._dist.dtensor import PlacedShard
 from mpckpt.errors import ConfigError, StateError
+from mpckpt.extension import PlacedShard
 
 
 def _object(planner: Any, item: Any) -> Any:

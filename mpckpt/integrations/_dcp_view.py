@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from mpckpt._read.load import load_state
-from mpckpt._read.regions import Reader, leaf_dtype
-from mpckpt._read.skeleton import build
-from mpckpt._read.sources import Source
 from mpckpt.errors import ConfigError, CorruptCheckpointError, StateError
+from mpckpt.extension import RegionReader as Reader
+from mpckpt.extension import Source, leaf_dtype
+from mpckpt.extension import build_tree as build
+from mpckpt.extension import load_tree as load_state
 
 
 class _Elsewhere:

@@ -36,8 +36,8 @@ import torch
 
 import mpckpt
 from mpckpt import Checkpointer, SaveFuture
-from mpckpt._threads import executor
 from mpckpt.errors import CheckpointNotFoundError, StateError
+from mpckpt.extension import executor
 from mpckpt.integrations import require
 
 log = logging.getLogger("mpckpt")

@@ -42,8 +42,8 @@ from typing import Any
 from torch.distributed.checkpoint import storage as _storage
 from torch.futures import Future
 
-from mpckpt.checkpointer import Checkpointer, _check_metrics, _check_step
-from mpckpt.config import UploadMode
+from mpckpt import extension
+from mpckpt.checkpointer import Checkpointer
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, MpckptError
 from mpckpt.format.names import checkpoint_name, step_of
 from mpckpt.integrations._dcp_state import check_same_keys, held_keys, state_of
@@ -97,10 +97,6 @@ def _same_place(head: str, url: str) -> bool:
     return "://" not in head and "://" not in local and os.path.realpath(head) == os.path.realpath(local)
 
 
-def _group_of(ckpt: Checkpointer) -> Any:
-    return getattr(ckpt._rt, "group", None)
-
-
 class StorageWriter(_storage.StorageWriter):
     """DCP's ``StorageWriter`` over an open writer ``Checkpointer`` (every rank's): each DCP save
     is the mpckpt checkpoint of ``step`` (or of the step ``checkpoint_id`` names), committed once
@@ -110,10 +106,10 @@ class StorageWriter(_storage.StorageWriter):
         super().__init__()
         if not isinstance(ckpt, Checkpointer):
             raise ConfigError(f"StorageWriter(ckpt, step) takes an open mpckpt.Checkpointer, not {type(ckpt).__name__}")
-        ckpt._writer()  # a read-only or closed Checkpointer is refused now
+        extension.check_writer(ckpt)  # a read-only or closed Checkpointer is refused now
         self.ckpt = ckpt
         self.step = None if step is None else step_of_id(ckpt, step)
-        self.metrics = _check_metrics(metrics)
+        self.metrics = extension.check_metrics(metrics)
         self.checkpoint_id: Any = None
         self.is_coordinator = False
 
@@ -132,10 +128,10 @@ class StorageWriter(_storage.StorageWriter):
         self.is_coordinator = is_coordinator
         if self.step is None:
             raise ConfigError("no step to save: StorageWriter(ckpt, step), or dcp.save(..., checkpoint_id=step)")
-        group, rank = _group_of(self.ckpt), kwargs.get("rank")
-        if rank is not None and rank != (0 if group is None else group.rank):
-            raise ConfigError(f"DCP saves as rank {rank}, the Checkpointer is rank {0 if group is None else group.rank} "
-                              "of its group: give DCP and the Checkpointer the same process group")
+        mine, rank = extension.ranks(self.ckpt).rank, kwargs.get("rank")
+        if rank is not None and rank != mine:
+            raise ConfigError(f"DCP saves as rank {rank}, the Checkpointer is rank {mine} of its group: give DCP and "
+                              "the Checkpointer the same process group")
 
     def storage_meta(self) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -161,17 +157,14 @@ class StorageWriter(_storage.StorageWriter):
         saving = _saving(self.ckpt)
         if saving.held is None:
             raise ConfigError("DCP sent no local plan (its plan cache) before this Checkpointer's first DCP save")
-        state, sizes = state_of(saving.held, plan.items, planner, distributed=_group_of(self.ckpt) is not None)
+        state, sizes = state_of(saving.held, plan.items, planner, distributed=extension.ranks(self.ckpt).distributed)
         with saving.lock:  # one DCP save at a time per Checkpointer, in step order
-            started = time.perf_counter()
-            rt = self.ckpt._writer()
             assert self.step is not None
-            step = _check_step(self.step, rt.ledger.last_step)
-            future = rt.save(step, state, dict(self.metrics), mode=UploadMode.ASYNC, overlap=False, force=True,
-                             started=started, agreed=True)
+            future = extension.save_agreed(self.ckpt, self.step, state, metrics=self.metrics,
+                                           started=time.perf_counter())
         # every rank waits for the commit here, not the coordinator alone in ``finish``: when DCP returns,
         # each rank's Checkpointer knows the step is committed (latest_step, retention, the next save)
-        _committed(future, rt.wait_s)
+        _committed(future, extension.commit_timeout_s(self.ckpt))
         results = [_storage.WriteResult(index=item.index, size_in_bytes=sizes.get(item.index, 0), storage_data=None)
                    for item in plan.items]
         done: Future[list[_storage.WriteResult]] = Future()
@@ -224,23 +217,16 @@ class StorageReader(_storage.StorageReader):
 
     def read_metadata(self) -> Any:
         self._done()
-        self.ckpt._check_usable()
-        rt = self.ckpt._rt
-        step = self.step if self.step is not None else rt.latest_step()
+        extension.check_open(self.ckpt)
+        step = self.step if self.step is not None else self.ckpt.latest_step
         if step is None:
             raise CheckpointNotFoundError(f"{self.ckpt.url} holds no committed checkpoint yet")
         self._reading = contextlib.ExitStack()
-        self._reading.enter_context(rt.reading(step))  # retention keeps it until read_data is done
+        self._reading.enter_context(extension.holding(self.ckpt, step))  # retention keeps it until read_data is done
         try:
-            stored = self.ckpt.checkpoint(step)._stored
-            assert stored is not None
-            backend, name, manifest = stored
-            from mpckpt._read.sources import StorageSource
-
-            group = _group_of(self.ckpt)
-            self._view = CheckpointView(StorageSource(backend, name, manifest), rank=0 if group is None else group.rank,
-                                        world_size=1 if group is None else group.world_size,
-                                        allow_pickle=self.ckpt.config.allow_pickle)
+            ranks = extension.ranks(self.ckpt)
+            self._view = CheckpointView(extension.source_of(self.ckpt.checkpoint(step)), rank=ranks.rank,
+                                        world_size=ranks.world_size, allow_pickle=self.ckpt.config.allow_pickle)
         except BaseException:
             self._done()
             raise

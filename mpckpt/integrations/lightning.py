@@ -18,7 +18,7 @@ A save made anywhere else (``trainer.save_checkpoint`` after ``fit()``, ``on_fit
 ``on_fit_end`` / ``on_exception`` hooks, the ``ddp_spawn`` hand-back of the weights) has no
 training to overlap with: it is written as ``TorchCheckpointIO`` writes it (``torch.save``,
 atomically) before it returns, and opens nothing. Which is which is read from the call stack
-(``_called_from``): whether a Lightning loop is on it.
+(``called_from``): whether a Lightning loop is on it.
 
 The mapping, per file:
 
@@ -84,7 +84,7 @@ _LOOPS = ("lightning.pytorch.loops", "pytorch_lightning.loops")
 _LIGHTNING = ("lightning.pytorch.", "pytorch_lightning.")
 
 
-def _called_from() -> str:
+def called_from() -> str:
     """``"loop"`` inside a Trainer's loops, ``"trainer"`` elsewhere in Lightning (after ``fit``,
     its setup/teardown hooks, launchers), ``""`` for a direct call (Fabric, a test)."""
     frame = sys._getframe(2)
@@ -162,7 +162,7 @@ class MpckptCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("MpckptCheckpointIO.save_checkpoint takes no storage_options; pass them once as "
                             "MpckptCheckpointIO(storage_options=...) (they go to the mpckpt root)")
-        outside = _called_from() == "trainer"
+        outside = called_from() == "trainer"
         self._settle(wait=False)
         path = files.norm(path)
         if outside:
@@ -222,7 +222,7 @@ class MpckptCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the file now; delete its steps now if committed, else right after their commit."""
-        outside = _called_from() == "trainer"
+        outside = called_from() == "trainer"
         self._settle(wait=False)
         text = files.norm(path)
         if not files.is_url(text) and os.path.islink(text):  # save_last="link": the link only, never its target

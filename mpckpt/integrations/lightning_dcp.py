@@ -53,7 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 import mpckpt  # noqa: E402
 from mpckpt.errors import ConfigError  # noqa: E402
 from mpckpt.integrations import lightning_files as files  # noqa: E402
-from mpckpt.integrations.lightning import MpckptCheckpointIO, _called_from  # noqa: E402
+from mpckpt.integrations.lightning import MpckptCheckpointIO, called_from  # noqa: E402
 from mpckpt.integrations.lightning_files import Candidate, read_pointer  # noqa: E402
 from mpckpt.policies.retention import RetentionPolicy  # noqa: E402
 
@@ -145,7 +145,7 @@ class _ShardedSaves:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._sharded():
             self._settle()  # one sharded save in flight: the previous one is committed (and its pointer written)
-        if not self._sharded() or _called_from() != "loop":
+        if not self._sharded() or called_from() != "loop":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
             return
         if storage_options is not None:

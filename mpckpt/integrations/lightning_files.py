@@ -32,7 +32,6 @@ Paths and the default root of a checkpoint folder (beside it, ``<dirpath>.mpckpt
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 import json
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mpckpt
-from mpckpt._threads import Thread
+from mpckpt import extension
 from mpckpt.config import DEFAULT_TIMEOUT_S
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, add_note
 from mpckpt.integrations._lightning_paths import (  # noqa: F401 -- the plugin reaches them through this module
@@ -363,7 +362,7 @@ class FileWriter:
         with self._started:
             if self._thread is None:
                 self._closing = False
-                self._thread = Thread(target=self._run, name="mpckpt-lightning-files", daemon=True)
+                self._thread = extension.Thread(target=self._run, name="mpckpt-lightning-files", daemon=True)
                 self._thread.start()
         self._queue.put(item)
 
@@ -397,20 +396,16 @@ class FileWriter:
             self._finish(item, job, error)
 
     def _write(self, job: FileJob) -> None:
-        stored = job.ckpt.checkpoint(job.step)
-        backend, name, manifest = stored._stored
-        manifest = dataclasses.replace(manifest, metrics={**manifest.metrics, _WRITE_TO: job.tmp})
+        told = extension.with_metrics(job.ckpt.checkpoint(job.step), {_WRITE_TO: job.tmp})
         if job.in_process:
-            write_checkpoint_file(mpckpt.Checkpoint(stored.path, _stored=(backend, name, manifest)),
-                                  allow_pickle=job.allow_pickle)
+            write_checkpoint_file(told, allow_pickle=job.allow_pickle)
             return
-        from mpckpt._commit.validator_process import ValidationFailed
-
+        parts = extension.stored_parts(told)
         proc = self._process(job.ckpt, job.allow_pickle)
         try:
-            proc.validate(job.step, name, manifest, timeout_s=job.ckpt.config.timeout_s,
+            proc.validate(job.step, parts.name, parts.manifest, timeout_s=job.ckpt.config.timeout_s,
                           abandoned=lambda: self._closing)
-        except ValidationFailed as e:
+        except extension.SideProcessFailed as e:
             if e.crashed:  # the next file gets a new process
                 self._procs.pop(job.ckpt.url, None)
             cause = e.__cause__ if e.__cause__ is not None else e
@@ -423,14 +418,9 @@ class FileWriter:
         self.call(lambda: self._process(ckpt, allow_pickle) and None)
 
     def _process(self, ckpt: Any, allow_pickle: bool) -> Any:
-        from mpckpt._commit.validator_process import ValidatorProcess, ValidatorSetup, pickle_fn
-
         proc = self._procs.get(ckpt.url)
         if proc is None:
-            config = ckpt.config
-            fn = pickle_fn(functools.partial(write_checkpoint_file, allow_pickle=allow_pickle))
-            proc = ValidatorProcess(ValidatorSetup(ckpt._spec, fn, config.nice, os.getpid(), dict(os.environ)),
-                                    start_method=config.start_method)
+            proc = extension.side_process(ckpt, functools.partial(write_checkpoint_file, allow_pickle=allow_pickle))
             self._procs[ckpt.url] = proc
         return proc
 

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mpckpt._keep",),
     ("mpckpt._peer",),
     ("mpckpt._runtime", "mpckpt._opening", "mpckpt._writer_lock"),
-    ("mpckpt.checkpointer", "mpckpt"),
+    ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension"),
     ("mpckpt.integrations", "mpckpt.cli"),
 ]
 
