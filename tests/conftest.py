@@ -1,4 +1,5 @@
-"""Shared fixtures: a clean MPCKPT_* environment for every test, small models, the servers."""
+"""Shared fixtures: a clean MPCKPT_* environment for every test, small models, the servers; and
+the expensive tiers as markers (``TIERS``): ``pytest -m "not nodes and not chaos"`` and the like."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ import torch
 
 from mpckpt._stage import shm as _shm
 from tests.servers import azurite_server, moto_server  # noqa: F401
+
+# The expensive tiers, by test module: each launches what its name says for most of its tests.
+TIERS: dict[str, tuple[str, ...]] = {
+    "installs": ("test_install", "test_demo"),                       # fresh venvs and clones, pip
+    "torchrun": ("test_distributed", "test_dcp_writer", "test_dcp_folders", "test_job_memory_kills",
+                 "test_loop_state", "test_restarts", "test_transformers_dcp"),  # multi-process jobs
+    "nodes": ("test_nodes", "test_peer_copies"),                     # simulated nodes (namespaces)
+    "chaos": ("test_goodput",),                                      # the chaos run's short form
+    "frameworks": ("test_lightning", "test_lightning_dcp", "test_lightning_files", "test_transformers",
+                   "test_transformers_dcp", "test_transformers_folders", "test_ray", "test_export_hf"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+        for marker, modules in TIERS.items():
+            if module in modules:
+                item.add_marker(marker)
 
 
 @pytest.fixture(autouse=True)
