@@ -37,7 +37,8 @@ def test_a_failing_demo_leaves_nothing_behind(tmp_path):
 
 
 def test_the_demo_keeps_its_checkpoints_in_a_root_whose_folder_does_not_exist_yet(tmp_path):
-    """The README's try-out: ``demo.sh --root runs/demo`` in a fresh clone, then ``mpckpt export``."""
+    """The try-out of docs/guide/command-line.md: ``demo.sh --root runs/demo`` in a fresh clone, then
+    ``mpckpt export``."""
     root = tmp_path / "runs" / "demo"
     done = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), *SMALL, "--root", str(root)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -100,7 +100,7 @@ _ROUND_TRIP = """
         assert "mpckpt[azure]" in str(e), e
     exported = sys.argv[1] + "-model.safetensors"
     for command in (["ls", sys.argv[1]], ["verify", sys.argv[1]],
-                    ["export", sys.argv[1], "1", "--to", exported, "--prefix", "model."]):  # the README's example
+                    ["export", sys.argv[1], "1", "--to", exported, "--prefix", "model."]):  # the command-line guide's try-out
         done = subprocess.run([sys.executable, "-m", "mpckpt.cli", *command], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert "Warning" not in done.stderr, done.stderr  # torch's "Failed to initialize NumPy" once was here

@@ -1,14 +1,18 @@
 """Restarts as users write them: ``mpckpt.init_process_group`` across torchrun's restarts, and every
-README snippet that restarts, run twice with a step-0 checkpoint between.
+snippet of the README and the user guide (``docs/guide/*.md``) that restarts, run twice with a
+step-0 checkpoint between.
 
 - A 2-rank job under ``torchrun --max-restarts 4`` whose rank 1 exits after each attempt's save:
   five attempts, each over a store private to it, each resuming from the step the one before saved
   (step 0 first: the README's idiom goes on from 1, never saves 0 again).
 - ``init_process_group`` does torch's plain call outside torchrun, with ``store=`` / ``init_method=``,
   and where torchrun's workers do not share the agent's store.
-- Each README block that restores then loops (``restore(state)`` and ``range(``): run in a fresh
-  process with only step 0 to save, then again with three steps: the second run restores step 0
-  and saves 1 and 2 (no ``StepOrderError``, no ``None`` dereferenced on a first run).
+- Each ```python block that restores then loops (``restore(state)`` and ``range(``), from
+  README.md and then docs/guide/*.md in sorted order (``_*.md`` there are notes, not pages): run
+  in a fresh process with only step 0 to save, then again with three steps. The second run
+  restores step 0 and saves 1 and 2 (no ``StepOrderError``, no ``None`` dereferenced on a first
+  run). Five today: the README's main example; jobs-and-nodes.md's multi-rank job and peer
+  copies; restoring.md's read-ahead loop and restart from memory.
 """
 
 from __future__ import annotations
@@ -88,8 +92,10 @@ def get_batch(split):
 
 
 def _restart_blocks() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "restore(state)" in b and "range(" in b]
+    guide = sorted(p for p in (REPO / "docs" / "guide").glob("*.md") if not p.name.startswith("_"))
+    pages = [REPO / "README.md", *guide]
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+    return [b for b in blocks if "restore(state)" in b and "range(" in b]
 
 
 def _runnable(block: str) -> str:
@@ -106,7 +112,7 @@ def _runnable(block: str) -> str:
 
 
 @pytest.mark.parametrize("index", range(5))
-def test_each_readme_snippet_that_restarts_goes_on_after_a_step_0_checkpoint(tmp_path, index):
+def test_each_doc_snippet_that_restarts_goes_on_after_a_step_0_checkpoint(tmp_path, index):
     blocks = _restart_blocks()
     assert len(blocks) == 5, [b.splitlines()[0] for b in blocks]  # a new snippet: add it to the range above
     script = tmp_path / "snippet.py"
