@@ -7,7 +7,7 @@ loopback between them), a gloo group on CPU. Each rank trains the house workload
 (``{"model": PerRank(model), "optim": PerRank(optim)}``): every rank's snapshot is ``--gib`` GiB,
 as each rank's shards are in a sharded (FSDP) job. The ranks step in lockstep (one tiny
 all_reduce per step), without gradient traffic. ``memory_budget`` is ``--budget-x`` (4.4) times the
-state: three slabs and a copy (docs/benchmarks.md section 14 says why not 2 + peer_copies), and each
+state: three slabs and a copy (docs/benchmarks.md, "Node loss", says why not 2 + peer_copies), and each
 node's /dev/shm has room besides. ``--state replicated`` saves the model and
 optimizer as plain replicated state instead (DDP-like): each replicated tensor is written by one
 rank, so each rank's snapshot is about ``--gib / 2`` GiB and a restore reads the rest from the
