@@ -371,7 +371,7 @@ def pin_parts(work: Work) -> dict[str, float]:
     copy into it; against page-locked memory from CUDA's allocator (``pin_memory=True``:
     ``cudaHostAlloc``) and one copy into it, and one copy into an unregistered slab (pageable)."""
     from mpckpt._stage.arena import Slab, _unpin
-    from mpckpt._stage.shm import Segment
+    from mpckpt._system.shm import Segment
 
     nbytes = h.state_bytes(work.tensors())
     source = torch.ones(nbytes, dtype=torch.uint8, device=work.inputs.device)

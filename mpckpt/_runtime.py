@@ -58,10 +58,10 @@ from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._keep.keeper import Keeper
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._read.view import ReadsCommitted
-from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena
 from mpckpt._stage.budget import Budget
 from mpckpt._stage.saving import Snapshotter
+from mpckpt._system import shm as _shm
 from mpckpt._threads import Thread
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from tests.servers import azurite_server, moto_server  # noqa: F401
 
 # The expensive tiers, by test module: each launches what its name says for most of its tests.

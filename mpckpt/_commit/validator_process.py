@@ -3,7 +3,7 @@
 One long-lived process per Checkpointer, started when the first validation is due, from the
 same ``multiprocess`` context as the uploaders (the fork server by default): it neither
 inherits the training process's memory or CUDA state nor imports the user's main script
-(``_upload/spawn.py``). The function travels as dill bytes made with ``recurse=True``: a
+(``_system/spawn.py``). The function travels as dill bytes made with ``recurse=True``: a
 function of an importable module is found again by its module; a function, lambda or
 closure of the main script (or a notebook) comes by value, with the globals it uses.
 ``pickle_fn`` makes those bytes when the Checkpointer opens, so a function that cannot travel
@@ -35,9 +35,9 @@ import dill
 from multiprocess.connection import wait as mp_wait
 
 from mpckpt._preemption import JOB_SIGNALS
+from mpckpt._system.processes import RemoteFailure, process_alive, set_title
+from mpckpt._system.spawn import VALIDATOR_NAME, uploader_context
 from mpckpt._threads import Thread
-from mpckpt._upload.spawn import VALIDATOR_NAME, uploader_context
-from mpckpt._upload.worker import RemoteFailure, process_alive, set_title
 from mpckpt.errors import ConfigError, add_note
 from mpckpt.format.manifest import Manifest
 from mpckpt.storage import BackendSpec

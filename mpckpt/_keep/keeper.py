@@ -48,7 +48,7 @@ from mpckpt._keep.record import UNKNOWN, KeptRecord, Span
 from mpckpt._keep.source import MemorySource
 from mpckpt._keep.store import Found, KeptStore, data_path, read_kept
 from mpckpt._stage.arena import Arena, Slab
-from mpckpt._stage.shm import Segment
+from mpckpt._system.shm import Segment
 from mpckpt._threads import executor
 from mpckpt.format.checksums import FileHasher, file_checksums
 from mpckpt.format.manifest import Manifest, _json_safe_metrics

@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass
 
 from mpckpt._keep.record import MAX_RECORD_BYTES, KeptRecord
-from mpckpt._stage.shm import SHM_DIR
+from mpckpt._system.shm import SHM_DIR
 from mpckpt.errors import CorruptCheckpointError
 from mpckpt.storage._localfs import pread_into
 

@@ -27,7 +27,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpckpt._stage.shm import SHM_DIR
+from mpckpt._system.shm import SHM_DIR
 
 NODE_ID_VARIABLE = "MPCKPT_NODE_ID"
 

@@ -2,7 +2,7 @@
 
 ``snapshot`` flattens a state (bad input fails before anything is written; the values it
 stores beyond tensors and JSON are ``_codec.values``), ``layout`` plans
-waves and shard files, ``budget`` takes slabs from the ``arena`` (segments in ``shm``) under
+waves and shard files, ``budget`` takes slabs from the ``arena`` (segments: ``_system.shm``) under
 the budget policy, ``reuse`` references unchanged frozen shards, ``copier`` and ``overlap``
 copy, and ``saving.Snapshotter`` runs all of it for one ``save``.
 """

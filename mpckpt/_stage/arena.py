@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mpckpt._stage.shm import Segment
+from mpckpt._system.shm import Segment
 from mpckpt._threads import Thread
 from mpckpt.errors import BudgetError, WaitTimeoutError
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.layout import Layout
-from mpckpt._stage.shm import SHM_DIR
+from mpckpt._system.shm import SHM_DIR
 from mpckpt._threads import Thread
 from mpckpt.errors import BudgetError
 

@@ -40,10 +40,11 @@ from typing import Any
 
 from multiprocess.connection import wait as mp_wait
 
+from mpckpt._system.processes import RemoteFailure
+from mpckpt._system.spawn import PROCESS_NAME, uploader_context
 from mpckpt._threads import Thread
-from mpckpt._upload.spawn import PROCESS_NAME, uploader_context
 from mpckpt._upload.threadworker import ThreadWorker
-from mpckpt._upload.worker import RemoteFailure, UploadJob, WorkerSetup, WriteJob, worker_main
+from mpckpt._upload.worker import UploadJob, WorkerSetup, WriteJob, worker_main
 from mpckpt.config import DEFAULT_MAX_JOB_ATTEMPTS, DEFAULT_START_METHOD, DEFAULT_UPLOADER_PRIORITY, UploaderPriority
 from mpckpt.errors import ConfigError, WaitTimeoutError, upload_error
 from mpckpt.storage import BackendSpec

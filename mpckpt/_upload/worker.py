@@ -24,18 +24,15 @@ never keeps writing into a folder that the next run is cleaning up.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import pickle
 import signal
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from mpckpt._preemption import JOB_SIGNALS
-from mpckpt._stage.shm import Segment
-from mpckpt.errors import add_note
+from mpckpt._system.processes import RemoteFailure, prctl, process_alive, set_title
+from mpckpt._system.shm import Segment
 from mpckpt.format.checksums import file_checksums, file_digest
 from mpckpt.storage import BackendSpec, open_backend
 
@@ -75,32 +72,6 @@ class UploadJob:
     local_path: str
 
 
-@dataclass
-class RemoteFailure:
-    """An exception from a worker: the original if it pickles, else its type name and text."""
-
-    exc: BaseException | None
-    type_name: str
-    message: str
-    remote_traceback: str
-
-    @classmethod
-    def capture(cls, e: BaseException) -> RemoteFailure:
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        exc: BaseException | None = e
-        try:
-            pickle.loads(pickle.dumps(e))
-        except Exception:
-            exc = None
-        return cls(exc, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb)
-
-    def rebuild(self) -> BaseException:
-        exc = self.exc if self.exc is not None else RuntimeError(f"{self.type_name}: {self.message}")
-        exc.__traceback__ = None
-        add_note(exc, f"raised in an mpckpt uploader process:\n{self.remote_traceback.rstrip()}")
-        return exc
-
-
 def _run_below_training(nice: int, *, sched_idle: bool) -> None:
     """Take the uploader priority: ``nice`` above the trainer's nice value, and SCHED_IDLE
     where Linux offers it if ``sched_idle`` (``config.UploaderPriority``).
@@ -126,28 +97,8 @@ def _run_below_training(nice: int, *, sched_idle: bool) -> None:
         pass
 
 
-def _prctl(option: int, arg: Any) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(option, arg, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: nothing to set
-        pass
-
-
 def _die_with_parent() -> None:
-    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def set_title(title: str) -> None:
-    """Show ``title`` in ps/top: the whole command line where setproctitle is installed,
-    and the kernel's 15-character thread name (PR_SET_NAME) in any case."""
-    try:
-        import setproctitle
-    except ImportError:
-        pass
-    else:
-        setproctitle.setproctitle(title)
-    _prctl(15, ctypes.c_char_p(title.replace(" ", "-").encode()[:15]))  # PR_SET_NAME
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _take_environment(environ: dict[str, str]) -> None:
@@ -194,17 +145,6 @@ class _Worker:
         size, checksum = file_digest(job.local_path)
         self.backend.upload_file(job.relpath, job.local_path)
         return {"size": size, "checksum": checksum, "seconds": time.perf_counter() - started}
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (uploaders and the validator watch their trainer with it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def worker_main(conn: Any, setup: WorkerSetup) -> None:

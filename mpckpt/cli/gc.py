@@ -25,7 +25,7 @@ import argparse
 import os
 
 from mpckpt._keep import store as _kept
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.catalog import recover
 from mpckpt.cli._common import backend_for, complain, say
 from mpckpt.cli._roots import no_checkpoint, written_by_mpckpt

@@ -47,7 +47,7 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +57,7 @@ TRAINER = r'''
 import json, os, sys, types
 import torch
 import mpckpt
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.cli import main
 
 fake_pid = int(sys.argv[2])
@@ -364,7 +364,7 @@ def test_a_sigkilled_trainers_memory_goes_at_the_next_open_or_gc(tmp_path, reape
 
 FORKER = r'''
 import json, os, sys, time
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.cli import main
 seg = _shm.Segment.create(4096)
 owner = seg.name.rsplit("-", 1)[0] + ".owner"

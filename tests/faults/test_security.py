@@ -22,7 +22,7 @@ import torch
 
 import mpckpt
 from mpckpt import _testing
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
 NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]{32})-([0-9a-f]+)$")

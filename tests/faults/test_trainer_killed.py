@@ -12,7 +12,7 @@ import time
 import pytest
 
 import mpckpt
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from tests.conftest import assert_same
 from tests.faults.trainer import state_for
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 import mpckpt
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.cli import main
 
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import mpckpt
 from mpckpt import _testing
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.errors import UploadError
 from tests.backends import ctl_url
 from tests.conftest import assert_same, make_model, train_step

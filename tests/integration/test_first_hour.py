@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import mpckpt
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.errors import ConfigError, LockedError
 from tests.backends import ctl_url
 from tests.conftest import assert_same

@@ -23,7 +23,7 @@ import torch
 
 import mpckpt
 from mpckpt._keep import store
-from mpckpt._stage import shm as _shm
+from mpckpt._system import shm as _shm
 from mpckpt.errors import ConfigError
 from tests.conftest import assert_same, make_model, train_step
 from tests.integration.gated_backend import gated_url

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import xxhash
 
-from mpckpt._stage.shm import Segment
+from mpckpt._system.shm import Segment
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.errors import ConfigError, UploadError

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from mpckpt._stage import shm as _shm
 from mpckpt._stage.arena import Arena, Slab
+from mpckpt._system import shm as _shm
 from mpckpt.errors import BudgetError, WaitTimeoutError
 
 MiB = 1 << 20

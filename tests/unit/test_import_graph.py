@@ -30,7 +30,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mpckpt"
 LAYERS: list[tuple[str, ...]] = [
     ("mpckpt.errors", "mpckpt._dtypes", "mpckpt.per_rank", "mpckpt.format", "mpckpt.storage", "mpckpt.config",
      "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
-     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group"),
+     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system"),
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
     ("mpckpt._keep",),
@@ -64,6 +64,12 @@ RULES: list[Rule] = [
     Rule("mpckpt.storage", _PRIVATE_LAYERS + _TOP, _BOTTOM_WHY),
     Rule("mpckpt.errors", _PRIVATE_LAYERS + _TOP, _BOTTOM_WHY),
     Rule("mpckpt._dtypes", _PRIVATE_LAYERS + _TOP, _BOTTOM_WHY),
+    Rule("mpckpt._system", _PRIVATE_LAYERS + _TOP + ("mpckpt._keep", "mpckpt._peer", "mpckpt.storage", "mpckpt.format"),
+         "shared memory and processes are what both sides stand on: the trainer's stages and the uploaders"),
+    Rule("mpckpt._upload", ("mpckpt._stage",), "an uploader writes files; it knows nothing of how snapshots are "
+         "staged (the segments it reads are _system's)"),
+    Rule("mpckpt._commit", ("mpckpt._upload", "mpckpt._stage"), "the commit settles what the uploads did, through "
+         "the ledger; it starts no upload and stages nothing"),
     Rule("mpckpt._codec", ("mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt._read", "mpckpt._runtime",
                            "mpckpt.checkpointer"), _CODEC_WHY),
     Rule("mpckpt", _EDGE, "integrations and the CLI are optional edges; the core never imports them", exempt=_EDGE),
