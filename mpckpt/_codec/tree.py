@@ -1,6 +1,6 @@
 """Rebuilding a state from its skeleton: the tensor table's rows, then the tree of values.
 
-The skeleton (see ``_stage.snapshot`` for how a save writes it) is plain JSON: every node is
+The skeleton (see ``_codec.snapshot`` for how a save writes it) is plain JSON: every node is
 checked before it is used, nothing is evaluated, no class is imported that the process has
 not imported itself (``values``), and pickled values are refused unless the caller opted in.
 Everything a hostile or damaged skeleton can make this raise is a ``CorruptCheckpointError``

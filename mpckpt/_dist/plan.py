@@ -25,9 +25,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
+from mpckpt._codec.snapshot import FlatState
 from mpckpt._codec.values import TAG, path_of
 from mpckpt._dist.group import RankGroup
-from mpckpt._stage.snapshot import FlatState
 from mpckpt.errors import StateError
 
 BLOCK_BYTES = 256 << 10  # each file's bytes are checksummed per block too (ranged reads verify; at most two

@@ -1,6 +1,6 @@
 """Writing the skeleton each rank puts into a multi-rank checkpoint (``r<rank>-skeleton.json``).
 
-It is the single-process skeleton (tree, tensor table, leaves; see ``_stage.snapshot``) of
+It is the single-process skeleton (tree, tensor table, leaves; see ``_codec.snapshot``) of
 what this rank saved, plus, per leaf, its ``kind``:
 
 * ``local`` (under a ``PerRank``): this rank's own; ``parts`` says where its bytes are;

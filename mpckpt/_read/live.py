@@ -1,6 +1,6 @@
 """Which leaves of a checkpoint a restore reads straight into the live tensors of the state.
 
-A single-process restore flattens the live state as a save would (``_stage.snapshot.flatten``:
+A single-process restore flattens the live state as a save would (``_codec.snapshot.flatten``:
 its ``sources`` are views of the live memory) and, for each checkpoint leaf that qualifies,
 ``whole`` reads the bytes into the memory of the live tensor instead of into a fresh tensor
 that ``apply_state`` would then copy. A leaf qualifies only where writing there gives exactly
@@ -43,8 +43,8 @@ from mpckpt import _dtypes
 from mpckpt._codec.values import TAG
 
 if TYPE_CHECKING:
+    from mpckpt._codec.snapshot import FlatState
     from mpckpt._read.skeleton import Skeleton
-    from mpckpt._stage.snapshot import FlatState
 
 Path = tuple[Any, ...]
 _MAPPINGS = ("dict", "odict")  # nodes with parallel ``k`` and ``v``: a path names the key

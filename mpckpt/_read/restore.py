@@ -272,7 +272,7 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
 
     def targets() -> dict[str, Any]:
         if not live:
-            from mpckpt._stage.snapshot import flatten
+            from mpckpt._codec.snapshot import flatten
 
             init_optimizer_state(state)
             flat = flatten(state, allow_pickle=allow_pickle, distributed=True)
@@ -334,7 +334,7 @@ _UNDEFINED = ("Bytes of a checkpoint that does not verify went into the live ten
 def _flat_live(state: Any, allow_pickle: bool) -> Any:
     """The live state flattened as a save does (``FlatState``: views of its tensors' memory), or
     None when it does not flatten: reading in place only saves time, every leaf is then read fresh."""
-    from mpckpt._stage.snapshot import flatten
+    from mpckpt._codec.snapshot import flatten
 
     try:
         return flatten(state, allow_pickle=allow_pickle)

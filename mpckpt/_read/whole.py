@@ -53,7 +53,7 @@ from mpckpt.format.checksums import hasher
 from mpckpt.format.safetensors import ParsedHeader
 
 if TYPE_CHECKING:
-    from mpckpt._stage.snapshot import FlatState
+    from mpckpt._codec.snapshot import FlatState
 
 _READ_CHUNK = 64 << 20    # largest ranged read into tensor memory
 _SMALL = 1 << 20          # tensors smaller than this are read together and copied out

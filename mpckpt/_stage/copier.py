@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
+from mpckpt._codec.snapshot import FlatState
 from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
 from mpckpt._stage.layout import Layout, WavePlan
-from mpckpt._stage.snapshot import FlatState
 
 
 def _views(slab: Slab, layout: Layout, wave_index: int, wave: WavePlan) -> list[torch.Tensor]:

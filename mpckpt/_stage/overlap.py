@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from mpckpt._codec.snapshot import FlatState
 from mpckpt._futures import SaveStats
 from mpckpt._stage import device
-from mpckpt._stage.snapshot import FlatState
 from mpckpt._threads import executor
 from mpckpt.errors import WaitTimeoutError
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpckpt._codec.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._dist.plan import BLOCK_BYTES
 from mpckpt._dist.skeleton import RankSkeletonText
@@ -42,7 +43,6 @@ from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, GuardedLeaves
 from mpckpt._stage.reuse import FrozenShards, Reuse
 from mpckpt._stage.skeleton_text import SkeletonText
-from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._stage.written import allocate, populate, write_wave
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob

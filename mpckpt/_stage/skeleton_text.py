@@ -17,11 +17,11 @@ import json
 import threading
 from typing import Any
 
+from mpckpt._codec.recall import FrozenNode
+from mpckpt._codec.snapshot import FlatState
 from mpckpt._codec.values import TAG
 from mpckpt._dtypes import dtype_name
 from mpckpt._stage.layout import Layout
-from mpckpt._stage.recall import FrozenNode
-from mpckpt._stage.snapshot import FlatState
 from mpckpt.format.skeleton import SKELETON_VERSION
 
 _SMALL = 64  # a node of more entries than this is dumped whole rather than walked in Python

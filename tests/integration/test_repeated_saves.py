@@ -1,6 +1,6 @@
 """Repeated saves through a real Checkpointer (uploader processes, shared memory, the snapshot
 kept in memory) store what the live state holds at each save, whatever changed since the last:
-the walk a repeated save takes over (``_stage.recall``) and the slab a first save writes through
+the walk a repeated save takes over (``_codec.recall``) and the slab a first save writes through
 its file (``_stage.written``) never store a stale or misplaced byte."""
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
+from mpckpt._codec.snapshot import flatten
 from mpckpt._stage import device
 from mpckpt._stage.layout import plan_layout
-from mpckpt._stage.snapshot import flatten
 
 
 def mixed_state(count: int, seed: int) -> dict[str, torch.Tensor]:

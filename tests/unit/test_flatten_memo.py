@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpckpt._stage.snapshot import FlatState, FlattenMemo, flatten
+from mpckpt._codec.snapshot import FlatState, FlattenMemo, flatten
 
 
 def same(a: FlatState, b: FlatState) -> None:
@@ -91,7 +91,7 @@ def test_a_bad_tensor_after_good_saves_is_still_refused() -> None:
         flatten({"x": torch.ones(3, device="meta")}, memo=memo)
 
 
-# -- what a repeated save takes over from the last walk (``_stage.recall``) -------------------------
+# -- what a repeated save takes over from the last walk (``_codec.recall``) -------------------------
 def checked(memo: FlattenMemo, state: object) -> FlatState:
     """``check``, and the skeleton made of parts kept between saves is the one a fresh walk gives."""
     import json

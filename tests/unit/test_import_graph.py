@@ -66,6 +66,8 @@ RULES: list[Rule] = [
     Rule("mpckpt._dtypes", _PRIVATE_LAYERS + _TOP, _BOTTOM_WHY),
     Rule("mpckpt._system", _PRIVATE_LAYERS + _TOP + ("mpckpt._keep", "mpckpt._peer", "mpckpt.storage", "mpckpt.format"),
          "shared memory and processes are what both sides stand on: the trainer's stages and the uploaders"),
+    Rule("mpckpt._read", ("mpckpt._stage",), "the read side decodes with _codec, beside its encoder; it never "
+         "needs the save's stages"),
     Rule("mpckpt._upload", ("mpckpt._stage",), "an uploader writes files; it knows nothing of how snapshots are "
          "staged (the segments it reads are _system's)"),
     Rule("mpckpt._commit", ("mpckpt._upload", "mpckpt._stage"), "the commit settles what the uploads did, through "

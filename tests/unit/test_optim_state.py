@@ -1,4 +1,4 @@
-"""``_stage.optim_state``: an optimizer's state dict made from the last save's numbering is the one
+"""``_codec.optim_state``: an optimizer's state dict made from the last save's numbering is the one
 ``Optimizer.state_dict()`` makes, whatever the training loop changed in between; an optimizer whose
 state dict is not torch's own (an override, a hook) is always asked itself."""
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from mpckpt._stage import optim_state
-from mpckpt._stage.optim_state import OptimizerStates
+from mpckpt._codec import optim_state
+from mpckpt._codec.optim_state import OptimizerStates
 
 
 def _same_as_torch(ours: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import mpckpt
 from mpckpt import _dtypes
+from mpckpt._codec.snapshot import flatten
 from mpckpt._codec.tree import build_tensors, unflatten
-from mpckpt._stage.snapshot import flatten
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool,
           torch.complex64, torch.float64]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mpckpt
+from mpckpt._codec.snapshot import flatten
 from mpckpt._stage import layout as _layout
-from mpckpt._stage.snapshot import flatten
 from mpckpt.config import BudgetPolicy, Config, parse_bytes
 from mpckpt.errors import ConfigError, CorruptCheckpointError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum, step_of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpckpt._stage.signatures import Signatures, _guard_checks_layout
+from mpckpt._codec.signatures import Signatures, _guard_checks_layout
 
 
 class Marked(torch.Tensor):

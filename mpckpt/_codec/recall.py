@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from mpckpt import _dtypes
-from mpckpt._stage.optim_state import OptimizerStates
-from mpckpt._stage.signatures import PLAIN_TENSORS, Signatures
+from mpckpt._codec.optim_state import OptimizerStates
+from mpckpt._codec.signatures import PLAIN_TENSORS, Signatures
 
 _is_none = functools.partial(operator.is_, None)
 _SD, _SAVE = torch.nn.Module.state_dict, torch.nn.Module._save_to_state_dict
