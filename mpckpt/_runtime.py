@@ -50,17 +50,17 @@ from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import Coordinator, SingleProcess
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.deletion import Deletions
-from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._dist.group import RankGroup
 from mpckpt._dist.plan import Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._keep.keeper import Keeper
+from mpckpt._ledger import Ledger, Pending
 from mpckpt._preemption import PreemptionWatch
 from mpckpt._read.view import ReadsCommitted
+from mpckpt._save.budget import Budget
+from mpckpt._save.saving import Snapshotter
 from mpckpt._stage.arena import Arena
-from mpckpt._stage.budget import Budget
-from mpckpt._stage.saving import Snapshotter
 from mpckpt._system import shm as _shm
 from mpckpt._threads import Thread
 from mpckpt._upload.directory import DirectoryUploads

@@ -5,10 +5,10 @@ delegates everything else to the ``Runtime`` it opens, which never refers back t
 
     open    -> _opening.open_root (read-only or writing, one process or a job: what may open)
                -> _runtime.Runtime, or _read.view.StorageView when read-only
-    save    -> Runtime.save (due, preempted, warming) -> _stage.saving.Snapshotter (layout, budget,
+    save    -> Runtime.save (due, preempted, warming) -> _save.saving.Snapshotter (layout, budget,
                reuse, copy) -> _upload.pool
     report  -> Runtime.report (the folder's rules) -> _upload.directory.DirectoryUploads -> _upload.pool
-            -> _commit.ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
+            -> _ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
     queries -> _read.view.ReadsCommitted (steps, best, checkpoint, load) over the committed checkpoints
     restore -> _read.restore (the newest readable step, its sources nearest first, apply)
     errors  -> _commit.sink.ErrorSink

@@ -41,7 +41,7 @@ from typing import Any
 
 from mpckpt._commit.coordinator import Coordinator, StepDropped
 from mpckpt._commit.deleter import Deleter
-from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._ledger import Ledger, Pending
 from mpckpt._threads import Thread
 from mpckpt.errors import MpckptError, UploadError, upload_error
 from mpckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, checkpoint_name, checksum, format_version_for

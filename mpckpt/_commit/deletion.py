@@ -39,8 +39,8 @@ from mpckpt.storage import Backend
 
 if TYPE_CHECKING:
     from mpckpt._commit.deleter import Deleter
-    from mpckpt._commit.ledger import Ledger
     from mpckpt._commit.validation import Validator
+    from mpckpt._ledger import Ledger
 
 log = logging.getLogger("mpckpt")
 

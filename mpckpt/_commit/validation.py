@@ -39,9 +39,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mpckpt._commit.ledger import Ledger
 from mpckpt._commit.validator_process import ValidationFailed, ValidatorProcess, ValidatorSetup, pickle_fn
 from mpckpt._futures import ValidationStats
+from mpckpt._ledger import Ledger
 from mpckpt._threads import Thread
 from mpckpt.errors import ConfigError, MpckptError, ValidationError, WaitTimeoutError
 from mpckpt.format import validation as record

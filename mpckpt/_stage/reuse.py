@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 
 from mpckpt._codec.snapshot import FlatState
-from mpckpt._commit.ledger import Ledger, Pending
+from mpckpt._ledger import Ledger, Pending
 from mpckpt._stage.layout import Layout
 from mpckpt.format.manifest import FileEntry, Manifest
 from mpckpt.format.names import shared_path

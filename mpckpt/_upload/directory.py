@@ -21,8 +21,8 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._futures import SaveStats
+from mpckpt._ledger import Ledger, Pending
 from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import UploadJob
 from mpckpt.checkpoint import Checkpoint, local_files

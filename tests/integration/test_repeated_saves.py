@@ -117,7 +117,7 @@ def test_a_first_save_into_new_shared_memory_writes_it_whole_or_fails_clearly(tm
         raise OSError(28, "No space left on device")
 
     real = os.pwritev
-    monkeypatch.setattr("mpckpt._stage.saving.write_wave", watched)
+    monkeypatch.setattr("mpckpt._save.saving.write_wave", watched)
     with mpckpt.Checkpointer(tmp_path / "run", workers=2) as ckpt:
         ckpt.wait()
         monkeypatch.setattr(written.os, "pwritev", full)

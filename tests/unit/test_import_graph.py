@@ -30,9 +30,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mpckpt"
 LAYERS: list[tuple[str, ...]] = [
     ("mpckpt.errors", "mpckpt._dtypes", "mpckpt.per_rank", "mpckpt.format", "mpckpt.storage", "mpckpt.config",
      "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
-     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system"),
+     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system", "mpckpt._ledger"),
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
+    ("mpckpt._save",),
     ("mpckpt._keep",),
     ("mpckpt._peer",),
     ("mpckpt._runtime", "mpckpt._opening", "mpckpt._writer_lock"),
@@ -42,7 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
 
 _PRIVATE_LAYERS = (
     "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt._read", "mpckpt._codec", "mpckpt._dist",
-    "mpckpt._runtime", "mpckpt._opening",
+    "mpckpt._runtime", "mpckpt._opening", "mpckpt._save",
 )
 _TOP = ("mpckpt.checkpointer", "mpckpt.catalog", "mpckpt.cli", "mpckpt.integrations")
 _BOTTOM_WHY = "the bytes on storage and the error tree sit at the bottom; everything else builds on them"
@@ -68,14 +69,18 @@ RULES: list[Rule] = [
          "shared memory and processes are what both sides stand on: the trainer's stages and the uploaders"),
     Rule("mpckpt._read", ("mpckpt._stage",), "the read side decodes with _codec, beside its encoder; it never "
          "needs the save's stages"),
-    Rule("mpckpt._upload", ("mpckpt._stage",), "an uploader writes files; it knows nothing of how snapshots are "
-         "staged (the segments it reads are _system's)"),
-    Rule("mpckpt._commit", ("mpckpt._upload", "mpckpt._stage"), "the commit settles what the uploads did, through "
+    Rule("mpckpt._upload", ("mpckpt._stage", "mpckpt._commit", "mpckpt._save"), "an uploader writes files; it "
+         "knows nothing of how snapshots are staged (the segments it reads are _system's) or commit"),
+    Rule("mpckpt._commit", ("mpckpt._upload", "mpckpt._stage", "mpckpt._save"), "the commit settles what the uploads did, through "
          "the ledger; it starts no upload and stages nothing"),
     Rule("mpckpt._codec", ("mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt._read", "mpckpt._runtime",
                            "mpckpt.checkpointer"), _CODEC_WHY),
     Rule("mpckpt", _EDGE, "integrations and the CLI are optional edges; the core never imports them", exempt=_EDGE),
     Rule("mpckpt._stage", ("mpckpt._read", "mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer"), _SAVE_WHY),
+    Rule("mpckpt._stage", ("mpckpt._upload", "mpckpt._commit", "mpckpt._save"), "a stage copies and lays out; the "
+         "save's orchestration (_save) drives it and the uploads and the records"),
+    Rule("mpckpt._ledger", _PRIVATE_LAYERS + _TOP + ("mpckpt._save", "mpckpt._keep", "mpckpt._peer"),
+         "the record book sits below every stage that writes in it"),
     Rule("mpckpt._upload", ("mpckpt._read", "mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer"), _SAVE_WHY),
     Rule("mpckpt._read", ("mpckpt._runtime", "mpckpt._opening", "mpckpt.checkpointer", "mpckpt._upload"), _READ_WHY),
     Rule("mpckpt._read", ("mpckpt._keep",), "the read side knows a memory source only as a Source the view hands it"),

@@ -22,8 +22,8 @@ import pytest
 from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import SingleProcess
 from mpckpt._commit.deleter import Deleter
-from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._futures import SaveFuture, SaveStats
+from mpckpt._ledger import Ledger, Pending
 from mpckpt.catalog import scan
 from mpckpt.errors import CommitConflictError, CorruptCheckpointError, UploadError, WaitTimeoutError
 from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksum

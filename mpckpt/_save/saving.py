@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt._codec.snapshot import FlatState, FlattenMemo, flatten
-from mpckpt._commit.ledger import Ledger, Pending
 from mpckpt._dist.plan import BLOCK_BYTES
 from mpckpt._dist.skeleton import RankSkeletonText
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
+from mpckpt._ledger import Ledger, Pending
+from mpckpt._save.budget import Budget
 from mpckpt._stage import device
 from mpckpt._stage.arena import Slab
-from mpckpt._stage.budget import Budget
 from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes, views_of
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, GuardedLeaves

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpckpt._commit.ledger import Ledger
+from mpckpt._ledger import Ledger
 from mpckpt._stage.arena import Arena, Slab
 from mpckpt._stage.layout import Layout
 from mpckpt._upload.pool import UploaderPool
