@@ -1,7 +1,7 @@
 """How the multi-rank commit scales with the number of ranks: latency and store requests per rank.
 
 mpckpt commits a multi-rank checkpoint through the job's torch.distributed store
-(``mpckpt._dist.commit.StoreCoordinator``): every rank posts its part, rank 0 waits for all
+(``mpckpt._commit.ranked.StoreCoordinator``): every rank posts its part, rank 0 waits for all
 parts, writes the global manifest and posts the outcome, every other rank waits for it. This
 script runs that protocol, unchanged, for world sizes 2 .. 1024 simulated on one machine:
 
@@ -58,7 +58,7 @@ from typing import Any
 import _harness as h
 import torch.distributed as dist
 
-from mpckpt._dist.commit import StoreCoordinator
+from mpckpt._commit.ranked import StoreCoordinator
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
 from mpckpt.format.names import checkpoint_name, rank_prefix, rank_skeleton_name
 from mpckpt.storage import open_backend, spec_for_url

@@ -20,8 +20,8 @@ background (the first call that needs them waits, bounded, and raises why they c
 ``_uploaders_ready``), and a restore's shared memory is made in a thread (``prepare``).
 
 In a multi-rank job (``group``) every rank holds all of that except the writer lock, which
-rank 0 takes in the collective open (``_dist.opening``); the committer commits through the
-job's store (``_dist.commit.StoreCoordinator``) and only rank 0 deletes.
+rank 0 takes in the collective open (``_opening_job``); the committer commits through the
+job's store (``_commit.ranked.StoreCoordinator``) and only rank 0 deletes.
 
 A read-only Checkpointer holds none of that: ``_read.view.StorageView`` answers its questions
 by looking at the root anew each time (another process writes there).
@@ -125,7 +125,7 @@ class Runtime(ReadsCommitted):
             self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
             staging_name: Callable[[str], str] = backend.staging_name
         else:  # a collective: rank 0 locks and recovers, every rank learns the outcome
-            from mpckpt._dist.opening import open_ranked
+            from mpckpt._opening_job import open_ranked
             opened = open_ranked(group, backend, lambda: acquire_writer_lock(backend, owner, where))
             self.lock = opened.lock
             staging_name = functools.partial(backend.staging_name, run=opened.token)
@@ -168,7 +168,7 @@ class Runtime(ReadsCommitted):
                     backend=backend, start_method=config.start_method, timeout_s=config.validate_timeout_s,
                     stats=self._stats.validations, after=self._validated)
             if group is not None:
-                from mpckpt._dist.commit import StoreCoordinator
+                from mpckpt._commit.ranked import StoreCoordinator
             coordinator: Coordinator = SingleProcess(backend) if group is None else StoreCoordinator(
                 backend, group.scoped(f"mpckpt/{opened.token}/"), rank=group.rank, world_size=group.world_size,
                 timeout_s=config.timeout_s)

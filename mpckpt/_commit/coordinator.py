@@ -3,7 +3,7 @@
 The committer builds a checkpoint's manifest from the files this process wrote and hands it
 to a coordinator, which publishes it and returns the manifest as committed. In a single
 process that is one ``backend.commit``: the manifest is written last, create-only. The
-multi-rank coordinator (``_dist.commit.StoreCoordinator``) plugs in here: every rank hands
+multi-rank coordinator (``_commit.ranked.StoreCoordinator``) plugs in here: every rank hands
 over its part, the coordinating rank merges the parts into one global manifest and writes it
 once all are durable, and every rank learns the outcome. A rank whose save failed or was
 dropped says so (``abandon``), so the others are not left waiting; removing a failed

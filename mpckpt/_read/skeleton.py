@@ -1,7 +1,7 @@
 """The one skeleton parser: a checkpoint's skeleton, bounded, verified and checked before use.
 
 A checkpoint of one process has ``skeleton.json``; a multi-rank one has one per rank
-(``r<rank>-skeleton.json``, see ``_dist.skeleton`` for what a rank writes and
+(``r<rank>-skeleton.json``, see ``_stage.rank_skeleton`` for what a rank writes and
 ``format.skeleton`` for versions and limits). Both are read here the same way: the size the
 manifest gives is bounded before anything is allocated, the bytes are verified against the
 manifest's checksum, and the JSON is checked for shape (leaves, parts, and for a rank's

@@ -11,7 +11,7 @@ the last shard written from it is durable.
 
 In a multi-rank save (``planner``) this rank's layout leaves out what other ranks write
 (``_dist.plan``), its shards are named with its rank, each file's blocks are checksummed
-for ranged reads, and its skeleton is its own (``_dist.skeleton``).
+for ranged reads, and its skeleton is its own (``_stage.rank_skeleton``).
 
 Nothing here touches storage: the jobs carry the checkpoint's staging path (or, for a frozen
 shard, its new path in ``shared/``: ``reuse``), which the pool's dispatcher thread makes
@@ -32,7 +32,6 @@ from typing import Any
 
 from mpckpt._codec.snapshot import FlatState, FlattenMemo, flatten
 from mpckpt._dist.plan import BLOCK_BYTES
-from mpckpt._dist.skeleton import RankSkeletonText
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._ledger import Ledger, Pending
 from mpckpt._save.budget import Budget
@@ -41,6 +40,7 @@ from mpckpt._stage.arena import Slab
 from mpckpt._stage.copier import copy_wave, copy_wave_fed, estimate_state_bytes, views_of
 from mpckpt._stage.layout import Layout, LayoutCache
 from mpckpt._stage.overlap import BackgroundCopier, GuardedLeaves
+from mpckpt._stage.rank_skeleton import RankSkeletonText
 from mpckpt._stage.reuse import FrozenShards, Reuse
 from mpckpt._stage.skeleton_text import SkeletonText
 from mpckpt._stage.written import allocate, populate, write_wave

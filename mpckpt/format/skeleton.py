@@ -5,7 +5,7 @@ the state, the tensor table and, per leaf, the shard entries that hold its bytes
 multi-rank checkpoint has one per rank (``r<rank>-skeleton.json``, ``RANK_SKELETON_VERSION``)
 that adds each leaf's ``kind`` (``KINDS``), where a DTensor shard sits in its global tensor,
 and the xxh3-64 of every block of the files that rank wrote. Writers: ``_save.saving`` and
-``_dist.skeleton``; the one parser: ``_read.skeleton``.
+``_stage.rank_skeleton``; the one parser: ``_read.skeleton``.
 """
 
 SKELETON_VERSION = 1

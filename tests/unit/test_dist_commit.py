@@ -1,4 +1,4 @@
-"""The two-phase commit of a multi-rank checkpoint (``_dist.commit``), rank by rank, on threads.
+"""The two-phase commit of a multi-rank checkpoint (``_commit.ranked``), rank by rank, on threads.
 
 Each simulated rank has its own client of one real TCPStore on 127.0.0.1 and a real local
 backend; only the training processes are left out (tests/integration/test_distributed.py
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from mpckpt._dist.commit import StoreCoordinator
+from mpckpt._commit.ranked import StoreCoordinator
 from mpckpt.errors import RankError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
 from mpckpt.format.names import MANIFEST_NAME, checkpoint_name, rank_prefix, rank_skeleton_name

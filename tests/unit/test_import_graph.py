@@ -8,10 +8,12 @@ The graph is read from the source with ``ast``; no module is imported. Every ``i
 are left out on purpose, since ``mpckpt/__init__.py`` re-exports the facade and counting them
 would make the whole package one circle.
 
-The intended direction, top to bottom (STYLE.md): facade -> ``_runtime`` -> ``_read`` /
-``_stage`` / ``_upload`` / ``_commit`` -> ``_codec`` / ``_dist`` -> ``format`` / ``storage`` /
-``errors``. ``LAYERS`` draws that picture; ``RULES`` holds the parts of it that are enforced,
-one line each.
+The direction, top to bottom (STYLE.md): the edges (integrations, CLI) -> the facade ->
+``_runtime`` / ``_opening`` -> ``_peer`` -> ``_keep`` -> ``_save`` (a save's orchestration) ->
+``_read`` / ``_stage`` / ``_upload`` / ``_commit`` -> ``_codec`` / ``_dist`` -> the bottom
+(``format``, ``storage``, ``errors``, ``_system``, ``_ledger``...). ``LAYERS`` draws that
+picture and every import is checked against it; ``RULES`` adds what must not meet inside
+one layer.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import NamedTuple
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mpckpt"
 
-# The picture, lowest first: a module may import from its own layer and the ones below it.
-# Each entry is a module and everything under it, except "mpckpt", which is the package's
-# __init__ alone. Not all of it holds yet; RULES enforces the parts that do.
+# The picture, lowest first: a module may import from its own layer and the ones below it
+# (``test_every_import_follows_the_picture``, no exceptions). Each entry is a module and
+# everything under it, except "mpckpt", which is the package's __init__ alone; the most
+# specific entry places a module. RULES adds, one line each, what the picture allows but the
+# design does not (parts of one layer that must not know each other).
 LAYERS: list[tuple[str, ...]] = [
     ("mpckpt.errors", "mpckpt._dtypes", "mpckpt.per_rank", "mpckpt.format", "mpckpt.storage", "mpckpt.config",
      "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
@@ -36,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mpckpt._save",),
     ("mpckpt._keep",),
     ("mpckpt._peer",),
-    ("mpckpt._runtime", "mpckpt._opening", "mpckpt._writer_lock"),
+    ("mpckpt._runtime", "mpckpt._opening", "mpckpt._opening_job", "mpckpt._writer_lock"),
     ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension"),
     ("mpckpt.integrations", "mpckpt.cli"),
 ]
@@ -333,6 +337,42 @@ def test_layers_never_reach_up() -> None:
         assert any(_under(module, rule.layer) for module in graph), f"no module under {rule.layer}"
     found = violations(graph, RULES)
     assert not found, "imports that reach up a layer:\n" + "\n".join(found)
+
+
+def _layer(module: str) -> int | None:
+    """The index in LAYERS of the most specific entry that places ``module``."""
+    best: tuple[int, int] | None = None
+    for index, layer in enumerate(LAYERS):
+        for entry in layer:
+            if (module == entry) if entry == "mpckpt" else _under(module, entry):
+                if best is None or len(entry) > best[1]:
+                    best = (index, len(entry))
+    return None if best is None else best[0]
+
+
+def upward(graph: Graph) -> list[str]:
+    """Every import that runs up the picture, with where it stands."""
+    up = []
+    for importer, targets in sorted(graph.items()):
+        mine = _layer(importer)
+        for target, sites in sorted(targets.items()):
+            theirs = _layer(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                up.append(f"{importer} (layer {mine}) -> {target} (layer {theirs}): "
+                          + ", ".join(str(site) for site in sites))
+    return up
+
+
+def test_the_picture_check_sees_an_import_that_runs_up() -> None:
+    site = Site("mpckpt/format/x.py", 3, "lazy")
+    assert upward({"mpckpt.format.x": {"mpckpt._runtime": [site]}, "mpckpt._runtime": {"mpckpt.format.x": [site]}}) \
+        == ["mpckpt.format.x (layer 0) -> mpckpt._runtime (layer 6): mpckpt/format/x.py:3 (lazy)"]
+    assert _layer("mpckpt._opening_job") == _layer("mpckpt._runtime") and _layer("mpckpt") == _layer("mpckpt.checkpointer")
+
+
+def test_every_import_follows_the_picture() -> None:
+    up = upward(build_graph(PACKAGE_ROOT, "mpckpt"))
+    assert not up, "imports that run up the picture (LAYERS); move the piece to its layer:\n" + "\n".join(up)
 
 
 def test_every_module_has_a_layer() -> None:

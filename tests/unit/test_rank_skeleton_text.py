@@ -13,8 +13,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import mpckpt
 from mpckpt._codec.snapshot import FlattenMemo, flatten
 from mpckpt._dist.plan import BLOCK_BYTES, RankPlan
-from mpckpt._dist.skeleton import RankSkeletonText, blocks_doc, rank_leaves_doc
 from mpckpt._stage.layout import plan_layout
+from mpckpt._stage.rank_skeleton import RankSkeletonText, blocks_doc, rank_leaves_doc
 from mpckpt.format.skeleton import RANK_SKELETON_VERSION
 
 
