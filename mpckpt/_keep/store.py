@@ -14,7 +14,7 @@ every rank holds until a newer one is), each a record and its data; a single pro
 checked against it. A copy of another node's rank r held here for it (``_peer``) has the same
 three names with ``mpckpt-peer-`` in front: held by the process that received it, published the
 same way, never mistaken for this node's own rank r. These names are outside the segment names the reaper judges
-(``_stage.shm``): a kept snapshot outlives its process (that is its purpose) and no process of
+(``_system.shm``): a kept snapshot outlives its process (that is its purpose) and no process of
 another root ever removes, reads or trusts it. The slab keeps its own name, which the
 uploaders attach to; when its process dies, the reaper unlinks that name and the data stays
 reachable through the kept one.
