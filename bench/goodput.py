@@ -1,10 +1,10 @@
 """Goodput under failures: a chaos run of a multi-rank training job, what each failure costs, nothing lost.
 
 A 2-node x 1-rank FSDP2 job (gloo, CPU, ``bench/goodput_worker.py``) trains on simulated nodes
-(``tests/nodes.py``: each node its own hostname and ``/dev/shm``) for ``--duration`` seconds under a
+(``harness/nodes.py``: each node its own hostname and ``/dev/shm``) for ``--duration`` seconds under a
 seeded failure schedule (``bench/goodput_faults.py``), relaunched after every failure that ends it
 (torchrun on every node, the same rendezvous endpoint, a fresh node in place of a lost one). Storage
-is S3 (moto) behind the fault proxy (``tests/faults/proxy.py``: outages and latency), or, with
+is S3 (moto) behind the fault proxy (``harness/fault_proxy.py``: outages and latency), or, with
 ``--storage disk``, a small tmpfs root through the ``ctl://`` backend (a full disk, a slow disk).
 
 Per failure: what failed, steps lost (the last step trained before it against the step restored
@@ -86,7 +86,7 @@ class Chaos:
 
     def __init__(self, args: argparse.Namespace, strategy: str, work: Path, root: str, env: dict[str, str],
                  proxy: Any, disk: gf.Disk | None) -> None:
-        from tests.servers import free_port
+        from harness.servers import free_port
 
         self.args, self.strategy, self.root, self.env, self.proxy, self.disk = args, strategy, root, env, proxy, disk
         self.out, self.logs = work / "out", work / "logs"
@@ -271,7 +271,7 @@ class Chaos:
 def chaos_run(args: argparse.Namespace, strategy: str, schedule: list[gf.Failure], work: Path, storage: Any) -> dict:
     import random
 
-    from tests.nodes import Cluster
+    from harness.nodes import Cluster
 
     root, env = storage.root_for(strategy, work)
     run = Chaos(args, strategy, work, root, env, storage.proxy, storage.disk)
@@ -310,7 +310,7 @@ class Storage:
         if self.kind == "s3":
             from peer_recovery import start_moto
 
-            from tests.faults.proxy import FaultProxy
+            from harness.fault_proxy import FaultProxy
 
             self.moto, self.endpoint = start_moto(str(work))
             self.proxy = FaultProxy(int(self.endpoint.rsplit(":", 1)[1]), seed=args.seed, stall_s=30).start()
@@ -322,7 +322,7 @@ class Storage:
                 self.skipped = {k: why for k in gf.SOFT_DISK}
 
     def root_for(self, strategy: str, work: Path) -> tuple[str, dict[str, str]]:
-        from tests.servers import s3_options
+        from harness.servers import s3_options
 
         if strategy == "dcp" or strategy == "none":
             base = self.disk.where if self.disk is not None else work
@@ -339,7 +339,7 @@ class Storage:
         return f"ctl://{where}", {"GOODPUT_STORAGE_OPTIONS": json.dumps(options)}
 
     def read_options(self) -> dict[str, Any] | None:
-        from tests.servers import s3_options
+        from harness.servers import s3_options
 
         return s3_options(self.endpoint) if self.kind == "s3" else None
 
@@ -351,7 +351,7 @@ class Storage:
             self.disk.fast()
 
     def close(self) -> None:
-        from tests.servers import stop_server
+        from harness.servers import stop_server
 
         if self.proxy is not None:
             self.proxy.stop()
@@ -362,7 +362,7 @@ class Storage:
 
 
 def reference_run(args: argparse.Namespace, steps: int, work: Path) -> dict:
-    from tests.nodes import Cluster
+    from harness.nodes import Cluster
 
     run = Chaos(args, "none", work, str(work / "none"), {}, None, None)
     print(f"[goodput] the uninterrupted run: {steps} steps", file=sys.stderr, flush=True)
@@ -400,7 +400,7 @@ def main() -> None:
     parser.add_argument("--plots", help="write PREFIX-timeline.png and PREFIX-recovery.png")
     args = parser.parse_args()
 
-    from tests.nodes import namespaces_unavailable
+    from harness.nodes import namespaces_unavailable
 
     if (why := namespaces_unavailable()) is not None:
         raise SystemExit(f"goodput: {why}")

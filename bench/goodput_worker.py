@@ -1,8 +1,8 @@
-"""One rank of ``bench/goodput.py``'s training job, under torchrun on a simulated node (``tests.nodes``).
+"""One rank of ``bench/goodput.py``'s training job, under torchrun on a simulated node (``harness.nodes``).
 
 ``goodput_worker.py --strategy S --root ROOT --out OUT [options]``: FSDP2 (gloo, CPU) on a small MLP
 with AdamW, data drawn per step and rank from a generator seeded with both
-(``tests.integration.dist_worker.train_step``), so every step's state is known: the same on every
+(``harness.job.train_step``), so every step's state is known: the same on every
 attempt and in an uninterrupted run. Each step is paced to ``--step-ms`` (the sleep stands for the
 accelerator's compute; it also keeps the 2-core VM usable).
 
@@ -43,8 +43,8 @@ import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
 
 import mpckpt  # noqa: E402
+from harness.job import IN, OUT_DIM, init_group, parallel, train_step  # noqa: E402
 from mpckpt.errors import MpckptError  # noqa: E402
-from tests.integration.dist_worker import IN, OUT_DIM, init_group, parallel, train_step  # noqa: E402
 
 KEEP_DCP = 3
 

@@ -1,7 +1,7 @@
 """Recovery after a node loss with ``peer_copies``: restore from a peer's memory against storage,
 what replication costs a training loop, and what a copy moves.
 
-Two simulated nodes x 1 rank (``tests/nodes.py``: each node its own hostname and ``/dev/shm``,
+Two simulated nodes x 1 rank (``harness/nodes.py``: each node its own hostname and ``/dev/shm``,
 loopback between them), a gloo group on CPU. Each rank trains the house workload (``_harness``:
 ``nn.Linear`` layers with Adam, ``--gib`` GiB with the moments) and saves it as its own
 (``{"model": PerRank(model), "optim": PerRank(optim)}``): every rank's snapshot is ``--gib`` GiB,
@@ -43,7 +43,7 @@ other rank's snapshot.
     .venv/bin/python bench/peer_recovery.py --gib 1 --reps 3                        # as root
     .venv/bin/python bench/peer_recovery.py --gib 0.05 --reps 1 --parts recovery   # a quick look
 
-Needs root (mount + UTS namespaces, ``tests.nodes``) and moto (``scripts/setup.sh --test``).
+Needs root (mount + UTS namespaces, ``harness.nodes``) and moto (``scripts/setup.sh --test``).
 """
 
 from __future__ import annotations
@@ -293,8 +293,8 @@ def peer_copy_extent(node: Any, rank: int) -> int | None:
 
 def recovery_rep(args: argparse.Namespace, case: str, work: str, endpoint: str | None,
                  cpu: Any) -> dict[str, Any]:
-    from tests.nodes import Cluster
-    from tests.servers import free_port, s3_options
+    from harness.nodes import Cluster
+    from harness.servers import free_port, s3_options
 
     tag = f"{case}-{uuid.uuid4().hex[:8]}"
     out, logs = Path(work) / tag / "out", Path(work) / tag / "logs"
@@ -345,7 +345,7 @@ def recovery_rep(args: argparse.Namespace, case: str, work: str, endpoint: str |
 
 
 def start_moto(work: str) -> tuple[subprocess.Popen, str]:
-    from tests.servers import free_port
+    from harness.servers import free_port
 
     port = free_port()
     log = open(os.path.join(work, "moto.log"), "wb")
@@ -369,7 +369,7 @@ def start_moto(work: str) -> tuple[subprocess.Popen, str]:
 def recovery_part(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import _harness as h
 
-    from tests.servers import stop_server
+    from harness.servers import stop_server
 
     cases = [c for c in args.cases.split(",") if c]
     moto, endpoint = start_moto(work) if "s3" in cases else (None, None)
@@ -415,7 +415,7 @@ def recovery_part(args: argparse.Namespace, work: str) -> dict[str, Any]:
 def loop_part(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import _harness as h
 
-    from tests.nodes import Cluster
+    from harness.nodes import Cluster
 
     rows, runs = [], []
     with Cluster(2, shm_size=shm_size(args), name_prefix="prl") as cluster:
@@ -460,7 +460,7 @@ def loop_part(args: argparse.Namespace, work: str) -> dict[str, Any]:
 def floor_part(args: argparse.Namespace, work: str, nbytes: int) -> dict[str, Any]:
     import _harness as h
 
-    from tests.nodes import Cluster
+    from harness.nodes import Cluster
 
     h.wait_for_quiet(args.wait_quiet_s)
     print(f"[peer_recovery] gloo floor, {nbytes / MIB:.0f} MiB each way ...", file=sys.stderr, flush=True)
@@ -543,7 +543,7 @@ def main() -> None:
 
     import _harness as h
 
-    from tests.nodes import namespaces_unavailable
+    from harness.nodes import namespaces_unavailable
 
     why = namespaces_unavailable()
     if why:

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mpckpt  # noqa: E402
 from bench._harness import MIB, RESULTS_DIR, machine_info, markdown_table, median, write_json  # noqa: E402
-from tests.servers import AZURITE_BIN, azurite_connection_string, free_port, s3_options, stop_server  # noqa: E402
+from harness.servers import AZURITE_BIN, azurite_connection_string, free_port, s3_options, stop_server  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+from harness.servers import azurite_server, moto_server  # noqa: F401
 from mpckpt._system import shm as _shm
-from tests.servers import azurite_server, moto_server  # noqa: F401
 
 # The expensive tiers, by test module: each launches what its name says for most of its tests.
 TIERS: dict[str, tuple[str, ...]] = {

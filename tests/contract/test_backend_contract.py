@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from harness.servers import s3_options
 from mpckpt.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -37,7 +38,6 @@ from mpckpt.errors import (
 from mpckpt.storage import open_backend
 from mpckpt.storage.base import MANIFEST_NAME, Backend
 from mpckpt.storage.local import LocalBackend
-from tests.servers import s3_options
 
 DATA = bytes(range(256)) * 40  # 10240 bytes with a position-dependent pattern
 MANIFEST = json.dumps({"files": {"shard-0.safetensors": len(DATA)}}).encode()
@@ -707,8 +707,8 @@ class TestS3Moto(ObjectStoreContract):
         assert b.list_names() == ["step-1"]
 
     def test_unreachable_endpoint_is_a_config_error(self) -> None:
+        from harness.servers import free_port
         from mpckpt.storage.fsspec_backend import FsspecBackend
-        from tests.servers import free_port
 
         dead = f"http://127.0.0.1:{free_port()}"
         options = s3_options(dead, secret=S3_SECRET, config_kwargs={"retries": {"max_attempts": 1}})
@@ -750,7 +750,7 @@ class TestAzurite(ObjectStoreContract):
 
     @pytest.fixture
     def secret(self) -> str:
-        from tests.servers import AZURITE_KEY
+        from harness.servers import AZURITE_KEY
 
         return AZURITE_KEY
 
@@ -775,8 +775,8 @@ class TestAzurite(ObjectStoreContract):
         assert b.list_names() == ["step-1"]
 
     def test_abfs_url_with_account_and_key_options(self, azurite_server: str, container: str) -> None:
+        from harness.servers import AZURITE_ACCOUNT, AZURITE_KEY
         from mpckpt.storage.azure import AzureBlobBackend
-        from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
         endpoint = azurite_server.split("BlobEndpoint=")[1].rstrip(";")
         b = AzureBlobBackend(f"abfs://{container}@{AZURITE_ACCOUNT}.dfs.core.windows.net/abfs-run",
@@ -795,8 +795,8 @@ class TestAzurite(ObjectStoreContract):
     def test_wrong_key_is_a_config_error_naming_the_url(self, azurite_server: str, container: str) -> None:
         import base64
 
+        from harness.servers import AZURITE_KEY
         from mpckpt.storage.azure import AzureBlobBackend
-        from tests.servers import AZURITE_KEY
 
         wrong = base64.b64encode(b"not the key" * 6).decode()
         b = AzureBlobBackend(f"az://{container}/run", {"connection_string": azurite_server.replace(AZURITE_KEY, wrong)})
@@ -805,8 +805,8 @@ class TestAzurite(ObjectStoreContract):
         assert wrong not in str(info.value) and AZURITE_KEY not in str(info.value)
 
     def test_unreachable_account_is_a_config_error(self, azurite_server: str) -> None:
+        from harness.servers import AZURITE_KEY, free_port
         from mpckpt.storage.azure import AzureBlobBackend
-        from tests.servers import AZURITE_KEY, free_port
 
         conn = azurite_server.split("BlobEndpoint=")[0] + f"BlobEndpoint=http://127.0.0.1:{free_port()}/x;"
         b = AzureBlobBackend("az://any/run", {"connection_string": conn})

@@ -6,7 +6,7 @@ SIGKILLed, an S3 outage.
 Only the invariants are asserted, never a duration: no committed checkpoint lost, no wrong state restored or
 stored, no step that diverged from the uninterrupted run, no hang (every wait bounded), no job that ended
 unasked, and the final state of every rank equal to the uninterrupted run's bit for bit. Skipped, with the
-reason, where namespaces are refused (``tests.nodes``) or moto is not installed.
+reason, where namespaces are refused (``harness.nodes``) or moto is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodes import REPO, namespaces_unavailable
+from harness.nodes import REPO, namespaces_unavailable
 
 if (_why := namespaces_unavailable()) is not None:
     pytest.skip(_why, allow_module_level=True)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import AZURITE_ACCOUNT, AZURITE_KEY
 from mpckpt import _testing
 from mpckpt._system import shm as _shm
-from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY
 
 NAME = re.compile(r"^mpckpt-(\d+)-([0-9a-f]{32})-([0-9a-f]+)$")
 

@@ -1,7 +1,7 @@
 """Storage faults between the uploaders and a real object store (moto's S3, Azurite).
 
 Every request of the checkpointer, its uploader processes and its committer goes through
-``FaultProxy`` (``tests/faults/proxy.py``) in front of the real server: connection resets,
+``FaultProxy`` (``harness/fault_proxy.py``) in front of the real server: connection resets,
 503 answers, responses cut short and stalled connections. Buckets and containers are created
 and results are checked at the real server's own port, past the proxy.
 
@@ -25,12 +25,12 @@ import pytest
 import torch
 
 import mpckpt
+from harness.fault_proxy import FaultProxy
+from harness.servers import s3_options
 from mpckpt import _testing
 from mpckpt.errors import MpckptError, UploadError
 from mpckpt.format.manifest import checkpoint_name
 from tests.conftest import assert_same
-from tests.faults.proxy import FaultProxy
-from tests.servers import s3_options
 
 BACKENDS = [pytest.param("s3", marks=pytest.mark.s3), pytest.param("azure", marks=pytest.mark.azure)]
 READ_TIMEOUT_S = 2  # client socket timeouts, small so that a stall ends quickly

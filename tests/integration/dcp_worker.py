@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import mpckpt
+from harness.job import build_model, full, init_group, train_step, write_json
 from mpckpt.errors import MpckptError
 from mpckpt.integrations.dcp import StorageReader, StorageWriter
-from tests.integration.dist_worker import build_model, full, init_group, train_step, write_json
 
 
 def full_flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

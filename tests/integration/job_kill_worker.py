@@ -49,7 +49,7 @@ import torch.distributed as dist
 import xxhash
 
 import mpckpt
-from tests.integration.dist_worker import attempt, init_group, module_of, parallel, write_json
+from harness.job import attempt, init_group, module_of, parallel, write_json
 from tests.integration.peer_worker import local
 
 IN, WIDTH, OUT_DIM = 16, 64, 4

@@ -1,4 +1,4 @@
-"""One rank of ``test_peer_copies``'s jobs, under torchrun on a simulated node (``tests.nodes``):
+"""One rank of ``test_peer_copies``'s jobs, under torchrun on a simulated node (``harness.nodes``):
 ``peer_worker.py SCENARIO ROOT OUT [options]``. Every rank opens ``ROOT`` with ``keep_in_memory=True``
 and ``peer_copies=--copies`` and writes what it saw into the folder ``OUT``, which the test reads.
 
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import mpckpt
-from tests.integration.dist_worker import init_group, module_of, parallel, seed_generators, write_json
+from harness.job import init_group, module_of, parallel, seed_generators, write_json
 
 IN, OUT_DIM = 16, 4
 MiB = 1 << 20

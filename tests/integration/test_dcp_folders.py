@@ -33,10 +33,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import mpckpt
+from harness.servers import free_port
 from mpckpt.cli import main
 from mpckpt.errors import CorruptCheckpointError, StateError
 from tests.conftest import assert_same
-from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("dcp_folder_worker.py"))

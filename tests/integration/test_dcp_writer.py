@@ -35,13 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import mpckpt
+from harness.servers import s3_options
 from mpckpt.cli import main as cli_main
 from mpckpt.errors import ConfigError
 from mpckpt.integrations._dcp_state import check_same_keys
 from mpckpt.integrations.dcp import StorageReader, StorageWriter
 from tests.conftest import assert_same, make_model, train_step
 from tests.integration.test_distributed import finish, free_port, ranks_without_agent, start, tail, worker_env
-from tests.servers import s3_options
 
 WORKER = str(Path(__file__).with_name("dcp_worker.py"))
 

@@ -44,8 +44,8 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import free_port, s3_options
 from tests.conftest import assert_same
-from tests.servers import free_port, s3_options
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("dist_worker.py"))

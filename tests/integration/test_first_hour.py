@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import S3_KEY, S3_SECRET
 from mpckpt._system import shm as _shm
 from mpckpt.errors import ConfigError, LockedError
 from tests.backends import ctl_url
 from tests.conftest import assert_same
-from tests.servers import S3_KEY, S3_SECRET
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import free_port
 from mpckpt.errors import StateError
-from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""``tests.nodes``: simulated machines on this one, each with its own hostname and ``/dev/shm``.
+"""``harness.nodes``: simulated machines on this one, each with its own hostname and ``/dev/shm``.
 
 - Two nodes: a file in one node's ``/dev/shm`` is seen neither on the other nor on the host; their
   hostnames differ.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodes import Cluster, namespaces_unavailable
+from harness.nodes import Cluster, namespaces_unavailable
 
 if (_why := namespaces_unavailable()) is not None:
     pytest.skip(_why, allow_module_level=True)

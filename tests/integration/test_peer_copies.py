@@ -1,4 +1,4 @@
-"""Peer copies (``peer_copies=1``) across simulated nodes (``tests.nodes``): what a node loss leaves restorable.
+"""Peer copies (``peer_copies=1``) across simulated nodes (``harness.nodes``): what a node loss leaves restorable.
 
 Each test: phase 1 launches ``peer_worker.py`` on every node, trains and saves every step (async to
 storage, or ``mode="memory"``), waits for each save (its copies included) and dumps every rank's local
@@ -36,10 +36,10 @@ import pytest
 import torch
 
 import mpckpt
+from harness.nodes import Cluster, Job, Node, namespaces_unavailable
 from mpckpt._keep.record import KeptRecord
 from mpckpt.format.checksums import file_checksums
 from tests.conftest import assert_same
-from tests.nodes import Cluster, Job, Node, namespaces_unavailable
 
 if (_why := namespaces_unavailable()) is not None:
     pytest.skip(_why, allow_module_level=True)

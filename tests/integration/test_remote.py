@@ -2,7 +2,7 @@
 
 Every test runs once per backend; the ``remote`` fixture yields ``(url, storage_options)`` for a
 bucket or container of its own that does not exist yet (``create=True`` makes it). The servers
-are the session fixtures of ``tests/servers.py``; a test is skipped only when a server program
+are the session fixtures of ``harness/servers.py``; a test is skipped only when a server program
 is not installed.
 """
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import AZURITE_KEY, s3_options
 from mpckpt.errors import ConfigError
 from tests.conftest import assert_same, make_model, train_step
-from tests.servers import AZURITE_KEY, s3_options
 
 BACKENDS = [pytest.param("s3", marks=pytest.mark.s3), pytest.param("azure", marks=pytest.mark.azure)]
 WRONG_SECRET = "Zm9yZ2VkLXNlY3JldC1mb3ItbXBja3B0LXRlc3Rz"  # base64, so Azure's client accepts its shape

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import mpckpt
+from harness.servers import s3_options
 from mpckpt.errors import CheckpointNotFoundError, ConfigError, StepOrderError, UnsupportedFormatError, UploadError
 from mpckpt.format import manifest as manifest_format
 from mpckpt.format.manifest import Manifest
@@ -31,7 +32,6 @@ from mpckpt.storage import open_backend, spec_for_url
 from tests.backends import ctl_url
 from tests.conftest import assert_same
 from tests.legacy_roots import make_legacy, manifests_of
-from tests.servers import s3_options
 
 REPO = Path(__file__).resolve().parents[2]
 

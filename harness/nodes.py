@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.servers import free_port
+from harness.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 30.0
