@@ -36,6 +36,7 @@ import mpckpt
 from mpckpt.errors import CorruptCheckpointError, MpckptError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
 from mpckpt.storage.local import LocalBackend
+from tests.commands import mpckpt_command
 from tests.conftest import assert_same
 from tests.legacy_roots import make_legacy
 
@@ -132,8 +133,7 @@ def deep_json(depth: int) -> str:
 # -- what must hold whatever the damage ------------------------------------------------------------
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpckpt.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return mpckpt_command(*args, timeout=timeout, traceback_ok=True)  # (the callers assert on stderr themselves)
 
 
 def assert_no_traceback(done: subprocess.CompletedProcess) -> None:

@@ -7,7 +7,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,17 +20,13 @@ from mpckpt.catalog import read_manifest
 from mpckpt.cli import main
 from mpckpt.format.manifest import MANIFEST_NAME, SKELETON_NAME, FileEntry, checkpoint_name, checksum
 from mpckpt.storage.local import LocalBackend
+from tests.commands import mpckpt_command
 from tests.conftest import assert_same
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: object) -> subprocess.CompletedProcess[str]:
-    """``python -m mpckpt.cli ARGS``: the command as a user runs it."""
-    done = subprocess.run([sys.executable, "-m", "mpckpt.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    return done
+cli = mpckpt_command  # the command as a user runs it
 
 
 class Tied(torch.nn.Module):

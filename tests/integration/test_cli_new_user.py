@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import mpckpt
+from tests.commands import mpckpt_command
 from tests.conftest import assert_same
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,10 +31,7 @@ COMMANDS = ["ls", "info", "verify", "export", "stats", "gc", "rm"]
 
 def cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``python -m mpckpt.cli ARGS`` run in ``cwd``."""
-    done = subprocess.run([sys.executable, "-m", "mpckpt.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    return done
+    return mpckpt_command(*args, cwd=cwd)
 
 
 def _save(root: Path, steps: list[int]) -> None:

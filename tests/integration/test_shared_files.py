@@ -30,6 +30,7 @@ from mpckpt.format import manifest as manifest_format
 from mpckpt.format.manifest import Manifest
 from mpckpt.storage import open_backend, spec_for_url
 from tests.backends import ctl_url
+from tests.commands import mpckpt_command
 from tests.conftest import assert_same
 from tests.legacy_roots import make_legacy, manifests_of
 
@@ -81,11 +82,7 @@ def shared(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "shared").iterdir()) if (root / "shared").exists() else []
 
 
-def cli(*args: Any) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "mpckpt.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    return done
+cli = mpckpt_command
 
 
 # -- deleting the oldest: every way ------------------------------------------------------------------
