@@ -45,37 +45,38 @@ GIB = 1 << 30
 
 # ---------------------------------------------------------------------------------------------
 # Measured on this project's machines. docs/benchmarks.md and docs/reliability.md as committed;
-# "§N" is the section of docs/benchmarks.md unless "reliability" is named.
+# Quoted names are sections of docs/benchmarks.md; "reliability" names docs/reliability.md's numbered sections.
+# Figures since replaced on the page are in its history (git show 6dafda9:docs/benchmarks.md).
 # ---------------------------------------------------------------------------------------------
 MEASURED: dict[str, float] = {
-    # §17 "On a GPU: measured on an H100", bench/gpu_save.py run 3, 2,000 tensors, 1 GiB:
+    # "On a GPU" (H100), bench/gpu_save.py run 3, 2,000 tensors, 1 GiB:
     # mpckpt eager steady 25.8 ms (the pinned device-to-host floor 22.6 ms).
     "copy_gbps_h100": GIB / 0.0258 / 1e9,                 # 41.6 GB/s, blocked time per save
     # same table: DCP async_save with a pinned, cached stager, 98.4 ms.
     "dcp_copy_gbps_h100": GIB / 0.0984 / 1e9,             # 10.9 GB/s
-    # §1 run C: mpckpt_eager blocked median 228.3 ms for 0.98 GiB (2-core VM, host memory).
+    # compare.py run C (2026-11-22, history: section 1): mpckpt_eager blocked median 228.3 ms for 0.98 GiB (2-core VM, host memory).
     "copy_gbps_vm": 0.98 * GIB / 0.2283 / 1e9,            # 4.6 GB/s
-    # §1 run B: torch_save blocked median 3,287 ms for 0.98 GiB, local disk, no fsync.
+    # compare.py run B (2026-11-22, history: section 1): torch_save blocked median 3,287 ms for 0.98 GiB, local disk, no fsync.
     "torch_save_gbps_vm": 0.98 * GIB / 3.287 / 1e9,       # 0.32 GB/s
-    # §15 "a restarted trainer (--moments fresh)", 1 GiB: mpckpt writer open + restore from
+    # "Restore into a training process" (--moments fresh), 1 GiB: mpckpt writer open + restore from
     # storage 0.300 s, from memory 0.317 s, DCP load 1.937 s, torch.load 0.821 s.
     "restore_storage_gbps_vm": GIB / 0.300 / 1e9,         # 3.6 GB/s (warm page cache)
     "restore_memory_gbps_vm": GIB / 0.317 / 1e9,          # 3.4 GB/s
     "restore_dcp_gbps_vm": GIB / 1.937 / 1e9,             # 0.55 GB/s
     "restore_torch_load_gbps_vm": GIB / 0.821 / 1e9,      # 1.3 GB/s
-    # §2: mpckpt persist, 2 uploaders, 1 GiB, local virtio disk.
+    # "Persisting and uploading": mpckpt persist, 2 uploaders, 1 GiB, local virtio disk.
     "persist_gbps_vm": 1.946,
-    # §5: mpckpt.load, cold page cache, 1,009 MiB.
+    # "Restore and read speed": mpckpt.load, cold page cache, 1,009 MiB.
     "cold_read_gbps_vm": 1.141,
-    # §14: a peer copy, save returned to copy in place (median 2.75 s per 1,008.5 MiB).
+    # "Node loss": a peer copy, save returned to copy in place (median 2.75 s per 1,008.5 MiB).
     "peer_copy_gbps_vm": 0.38,
-    # §14: rank 1's restore from node 0's memory, read_remote 0.72-0.78 GB/s.
+    # "Node loss": rank 1's restore from node 0's memory, read_remote 0.72-0.78 GB/s.
     "peer_read_gbps_vm": 0.75,
-    # §8.2 bench/commit_scale.py, 1,024 ranks: last post -> last rank has the outcome 420.6 ms
+    # "Commit coordination from 2 to 1,024 ranks" (bench/commit_scale.py), 1,024 ranks: last post -> last rank has the outcome 420.6 ms
     # (175.4 ms of it the coordinator); 2-16 ranks 3.6-7.4 ms. Extrapolated linearly per rank.
     "commit_ms_per_rank": 420.6 / 1024,                   # 0.41 ms
     "commit_ms_fixed": 4.0,
-    # §14: launch to first step 8.72 s less rank 1's restore 2.69 s (2 simulated nodes, quiet VM).
+    # "Node loss": launch to first step 8.72 s less rank 1's restore 2.69 s (2 simulated nodes, quiet VM).
     "relaunch_s_vm": 8.72 - 2.69,                         # 6.0 s
 }
 
@@ -390,11 +391,11 @@ CHECK_RUNS: list[dict] = [
          events={"node_loss": (1, 0, 9.7), "rank_kill": (1, 0, 8.7), "preempt": (1, 0, 12.7)}, measured=0.53),
 ]
 CHECK_INPUTS = {
-    "state_bytes_per_rank": 0.45e6,   # reliability §13: ~0.9 MB of state on 2 ranks
+    "state_bytes_per_rank": 0.45e6,   # reliability section 13: ~0.9 MB of state on 2 ranks
     "every": 10,                      # storage saves every 10 steps
     "mean_gap_s": 8.0,                # --gap-s 4,12 (the long runs); a failure's MTBF for since()
-    "s3_open_extra_s": 1.4,           # reliability §13: importing s3fs and aiobotocore at the open
-    "s3_gbps": 0.057,                 # §4: S3 (moto) 57 MB/s
+    "s3_open_extra_s": 1.4,           # reliability section 13: importing s3fs and aiobotocore at the open
+    "s3_gbps": 0.057,                 # "Persisting and uploading" (remote storage): S3 (moto) 57 MB/s
 }
 
 

@@ -15,7 +15,7 @@ The model is a GPT of nanoGPT's CPU size (its shakespeare-char recipe on a lapto
 - ``mpckpt_async_low``, ``mpckpt_async_normal`` (by name only): ASYNC with the uploaders at that
   ``uploader_priority`` instead of the default ``idle``;
 - ``mpckpt_memory``: ``save`` every iteration, ``mode="memory"`` (kept in shared memory for a
-  restart, nothing uploaded), and every ``--every``-th ASYNC (README, "Restarting from memory").
+  restart, nothing uploaded), and every ``--every``-th ASYNC (docs/guide/restoring.md, "Restarting from memory after a crash").
 
 ``loop_s`` is the loop's wall time, saves included (``x none``: over the median of ``none``; ``x none,
 from step medians``: the same ratio from the median step at each position after a save plus the
