@@ -36,7 +36,7 @@ import mpckpt
 from mpckpt.errors import CorruptCheckpointError, MpckptError
 from mpckpt.format.manifest import FileEntry, Manifest, checksum
 from mpckpt.storage.local import LocalBackend
-from tests.commands import mpckpt_command
+from tests.commands import mpckpt_in_process
 from tests.conftest import assert_same
 from tests.legacy_roots import make_legacy
 
@@ -132,8 +132,8 @@ def deep_json(depth: int) -> str:
 
 # -- what must hold whatever the damage ------------------------------------------------------------
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return mpckpt_command(*args, timeout=timeout, traceback_ok=True)  # (the callers assert on stderr themselves)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return mpckpt_in_process(*args)  # (the callers assert on its output; an exception it lets out fails the test)
 
 
 def assert_no_traceback(done: subprocess.CompletedProcess) -> None:

@@ -43,11 +43,17 @@ def _no_kept_left(tmp_path: Path) -> Any:
 
 
 def trainer(root: Path, out: Path, *args: Any, ok: bool = True) -> int:
+    """Run ``keep_trainer.py`` to its end (or its SIGKILL); its exit code. Its output goes to a file,
+    not a pipe: the uploaders of a killed trainer may outlive it a while (one blocked at a closed
+    gate does until the gate opens), and a pipe they hold would keep this waiting for them."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, TRAINER, str(root), str(out), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=180)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "trainer.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, TRAINER, str(root), str(out), *map(str, args)], env=env,
+                              stdout=f, stderr=subprocess.STDOUT, timeout=180)
     if ok:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, log.read_text()[-3000:]
     return proc.returncode
 
 
