@@ -20,13 +20,20 @@ def _job(world: int = 2) -> list[Rounds]:
     return [Rounds(store, rank=r, world_size=world) for r in range(world)]
 
 
-def test_a_rank_done_first_holds_the_round_step_until_the_others_are_done():
+def _rank_0_done_first() -> tuple[Rounds, Rounds]:
+    """Round 0 (step 14) copied everywhere; in round 1 (step 16) rank 0's copy landed, rank 1's is
+    still on its way."""
     fast, slow = _job()
     fast.open(0, 14)
     for r in (fast, slow):
         r.finish(0, 14, copied=True)
     fast.open(1, 16)
-    fast.finish(1, 16, copied=True)  # rank 0's copy of 16 landed; rank 1's is still on its way
+    fast.finish(1, 16, copied=True)
+    return fast, slow
+
+
+def test_a_rank_done_first_holds_the_round_step_until_the_others_are_done():
+    fast, slow = _rank_0_done_first()
     held = [14, 16, 17, 18]  # rank 0's own kept snapshots (17, 18 agreed meanwhile)
     assert fast.pinned(2, held, None) == {14, 16}
     slow.finish(1, 16, copied=True)  # rank 1's copy of 16 landed: 16 is copied everywhere
@@ -36,12 +43,7 @@ def test_a_rank_done_first_holds_the_round_step_until_the_others_are_done():
 
 
 def test_a_round_that_ended_uncopied_is_not_held_for():
-    fast, slow = _job()
-    fast.open(0, 14)
-    for r in (fast, slow):
-        r.finish(0, 14, copied=True)
-    fast.open(1, 16)
-    fast.finish(1, 16, copied=True)
+    fast, slow = _rank_0_done_first()
     slow.finish(1, 16, copied=False)  # rank 1's copy failed: 16 will never be copied everywhere
     assert fast.pinned(2, [14, 16, 17], None) == {14}
 
