@@ -23,8 +23,6 @@ import fractions
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +31,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import mpckpt
-from harness.servers import free_port
 from mpckpt.cli import main
 from mpckpt.errors import CorruptCheckpointError, StateError
 from tests.conftest import assert_same
+from tests.launch import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("dcp_folder_worker.py"))
@@ -86,20 +84,15 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
     return folder, expected
 
 
-def torchrun(scenario: str, folder: Path, out: Path, log: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           WORKER, scenario, str(folder), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with open(log, "ab") as sink:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=240)
-    assert proc.returncode == 0, f"torchrun {scenario} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+def _torchrun(scenario: str, folder: Path, out: Path, log: Path) -> None:
+    torchrun(2, scenario, folder, out, log=log, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
 def ranked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A folder two FSDP2 ranks wrote with ``dcp.save``, and the folder holding their full tensors."""
     tmp = tmp_path_factory.mktemp("ranked")
-    torchrun("save", tmp / "dcp", tmp / "out", tmp / "log.txt")
+    _torchrun("save", tmp / "dcp", tmp / "out", tmp / "log.txt")
     return tmp / "dcp", tmp / "out"
 
 
@@ -193,7 +186,7 @@ def test_a_two_rank_fsdp_folder_round_trips_and_loads_sharded_through_dcp(ranked
     back = tmp_path / "back"
     assert main(["export", str(root), "2", "--to", str(back), "--format", "dcp"]) == 0
     same(mpckpt.load(back), loaded)
-    torchrun("load", back, tmp_path / "out", tmp_path / "log.txt")  # fresh FSDP2 ranks, resharded by DCP
+    _torchrun("load", back, tmp_path / "out", tmp_path / "log.txt")  # fresh FSDP2 ranks, resharded by DCP
     reloaded = torch.load(tmp_path / "out" / "loaded.pt")
     assert_equals_full({"model": reloaded["model"], "optim": {"state": reloaded["optim"]}}, full)
 

@@ -41,7 +41,7 @@ from mpckpt.errors import ConfigError
 from mpckpt.integrations._dcp_state import check_same_keys
 from mpckpt.integrations.dcp import StorageReader, StorageWriter
 from tests.conftest import assert_same, make_model, train_step
-from tests.integration.test_distributed import finish, free_port, ranks_without_agent, start, tail, worker_env
+from tests.launch import ranks_without_agent, tail, torchrun, worker_env
 
 WORKER = str(Path(__file__).with_name("dcp_worker.py"))
 
@@ -212,10 +212,7 @@ def test_object_stores_through_the_writer_and_the_reader(backend, request):
 # -- jobs ------------------------------------------------------------------------------------------------
 
 def _job(nproc: int, *args: Any, log: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           WORKER, *map(str, args)]
-    code = finish(start(cmd, log, worker_env()), log)
-    assert code == 0, f"torchrun exited with {code}; its log ends:\n{tail(log)}"
+    torchrun(nproc, *args, log=log, worker=WORKER)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import torch
 
 from mpckpt._keep import store
 from tests.conftest import assert_same
-from tests.integration.test_distributed import finish, start, tail, worker_env
+from tests.launch import finish, start, tail, worker_env
 
 WORKER = str(Path(__file__).with_name("job_kill_worker.py"))
 STEPS, KILL_STEP, STORAGE_EVERY = 10, 7, 5

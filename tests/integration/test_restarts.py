@@ -28,7 +28,7 @@ import pytest
 
 import mpckpt
 from mpckpt.process_group import attempt_store_wanted
-from tests.integration.test_distributed import finish, free_port, start, tail, worker_env
+from tests.launch import torchrun, worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("restart_worker.py"))
@@ -37,10 +37,7 @@ WORKER = str(Path(__file__).with_name("restart_worker.py"))
 def test_init_process_group_survives_four_torchrun_restarts(tmp_path):
     root, out, log = tmp_path / "root", tmp_path / "out", tmp_path / "log.txt"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=4",
-           f"--master-port={free_port()}", WORKER, str(root), str(out), "4"]
-    code = finish(start(cmd, log, worker_env()), log, timeout_s=400)
-    assert code == 0, tail(log)
+    torchrun(2, root, out, 4, log=log, launcher=("--max-restarts=4",), worker=WORKER, timeout_s=400)
     for attempt in range(5):
         seen = [json.loads((out / f"a{attempt}-r{rank}.json").read_text()) for rank in range(2)]
         expect = {"restored": None if attempt == 0 else attempt - 1, "saved": attempt,
