@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from mpckpt._futures import SaveFuture as SaveFuture
     from mpckpt._futures import SaveResult as SaveResult
     from mpckpt._futures import SaveStats as SaveStats
-    from mpckpt._read.view import load as load
+    from mpckpt._view import load as load
     from mpckpt.checkpoint import Checkpoint as Checkpoint
     from mpckpt.checkpointer import Checkpointer as Checkpointer
     from mpckpt.config import BudgetPolicy as BudgetPolicy
@@ -72,7 +72,7 @@ _WHERE = {
     "UploadMode": "mpckpt.config",
     "Checkpoint": "mpckpt.checkpoint",
     "Checkpointer": "mpckpt.checkpointer",
-    "load": "mpckpt._read.view",
+    "load": "mpckpt._view",
     "init_process_group": "mpckpt.process_group",
     "export_hf": "mpckpt.cli.export",
     "KeepBest": "mpckpt.policies",

@@ -1,7 +1,7 @@
 """Opening a root: the rules that decide what a Checkpointer holds.
 
 ``open_root`` takes the checked configuration and the root, and gives back what the facade
-keeps. Read-only, it opens a ``_read.view.StorageView`` and refuses every option that writes
+keeps. Read-only, it opens a ``_view.StorageView`` and refuses every option that writes
 (retention, a trigger, preemption signals, ``validate=``). Writing, it refuses what a job of
 several ranks cannot do (a root in this process's memory, ``validate=``), checks that the root
 is writable, fits the memory budget to the free space of /dev/shm, and opens the ``Runtime``
@@ -22,8 +22,8 @@ from typing import Any
 
 from mpckpt._dist.group import RankGroup
 from mpckpt._preemption import PreemptionWatch, parse_signals
-from mpckpt._read.view import StorageView
 from mpckpt._runtime import Runtime
+from mpckpt._view import StorageView
 from mpckpt.config import Config, fit_budget_to_shm
 from mpckpt.errors import ConfigError
 from mpckpt.policies.retention import RetentionPolicy

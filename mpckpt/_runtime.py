@@ -23,7 +23,7 @@ In a multi-rank job (``group``) every rank holds all of that except the writer l
 rank 0 takes in the collective open (``_opening_job``); the committer commits through the
 job's store (``_commit.ranked.StoreCoordinator``) and only rank 0 deletes.
 
-A read-only Checkpointer holds none of that: ``_read.view.StorageView`` answers its questions
+A read-only Checkpointer holds none of that: ``_view.StorageView`` answers its questions
 by looking at the root anew each time (another process writes there).
 
 It also remembers which roots this process holds, so that a second Checkpointer on the same
@@ -57,7 +57,6 @@ from mpckpt._futures import CheckpointerStats, SaveFuture
 from mpckpt._keep.keeper import Keeper
 from mpckpt._ledger import Ledger, Pending
 from mpckpt._preemption import PreemptionWatch
-from mpckpt._read.view import ReadsCommitted
 from mpckpt._save.budget import Budget
 from mpckpt._save.saving import Snapshotter
 from mpckpt._stage.arena import Arena
@@ -65,6 +64,7 @@ from mpckpt._system import shm as _shm
 from mpckpt._threads import Thread
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
+from mpckpt._view import ReadsCommitted
 from mpckpt._writer_lock import acquire_writer_lock, release_writer_lock
 from mpckpt.catalog import Recovered, read_manifest, recover
 from mpckpt.config import Config, UploadMode

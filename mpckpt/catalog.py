@@ -12,7 +12,7 @@ and ``mpckpt gc`` both call it (with the writer lock held). It also deletes the 
 ``_commit.shared``). ``Catalog`` answers the queries
 over committed checkpoints (steps, latest, best, one manifest) for a live ``Checkpointer``
 (over its ledger's view) and for the command line (over a scan). Reading a checkpoint is the
-read side's (``_read``; ``mpckpt.load`` is ``_read.view.load``).
+read side's (``_read``; ``mpckpt.load`` is ``_view.load``).
 """
 
 from __future__ import annotations

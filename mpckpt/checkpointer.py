@@ -4,12 +4,12 @@ It validates what the caller passes (steps, metrics, modes), holds the public AP
 delegates everything else to the ``Runtime`` it opens, which never refers back to it:
 
     open    -> _opening.open_root (read-only or writing, one process or a job: what may open)
-               -> _runtime.Runtime, or _read.view.StorageView when read-only
+               -> _runtime.Runtime, or _view.StorageView when read-only
     save    -> Runtime.save (due, preempted, warming) -> _save.saving.Snapshotter (layout, budget,
                reuse, copy) -> _upload.pool
     report  -> Runtime.report (the folder's rules) -> _upload.directory.DirectoryUploads -> _upload.pool
             -> _ledger (records, order) -> _commit.committer (coordinator, retention, deleter)
-    queries -> _read.view.ReadsCommitted (steps, best, checkpoint, load) over the committed checkpoints
+    queries -> _view.ReadsCommitted (steps, best, checkpoint, load) over the committed checkpoints
     restore -> _read.restore (the newest readable step, its sources nearest first, apply)
     errors  -> _commit.sink.ErrorSink
 
@@ -19,7 +19,7 @@ Opening it checks the root, takes the single-writer lock, removes what a crashed
 returns once the state is copied (ASYNC) or committed (SYNC); leaving the block waits for all
 of it and raises what failed.
 
-``read_only=True`` opens none of that (``_read.view.StorageView``): it lists and restores while
+``read_only=True`` opens none of that (``_view.StorageView``): it lists and restores while
 another process writes. ``preemption=`` installs signal handlers (``_preemption``) that make
 the next ``save`` a due, synchronous one. ``validate=`` runs a function on each committed
 checkpoint in a process of its own (``_commit.validation``); its metrics join the
@@ -40,11 +40,11 @@ from typing import Any
 from mpckpt._futures import CheckpointerStats, LastRestore, SaveFuture
 from mpckpt._opening import open_root
 from mpckpt._read.restore import restore as restore_state
-from mpckpt._read.view import (
+from mpckpt._runtime import Runtime
+from mpckpt._view import (
     StorageView,
     load,  # noqa: F401 -- mpckpt.load, kept importable here
 )
-from mpckpt._runtime import Runtime
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.config import BudgetPolicy, Config, UploadMode
 from mpckpt.errors import (

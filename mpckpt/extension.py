@@ -42,17 +42,17 @@ State shapes
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
+from mpckpt._codec.dtensor import PlacedShard
 from mpckpt._commit.validator_process import ValidationFailed as SideProcessFailed
 from mpckpt._commit.validator_process import ValidatorProcess as SideProcess
 from mpckpt._commit.validator_process import ValidatorSetup, pickle_fn
-from mpckpt._dist.dtensor import PlacedShard
 from mpckpt._futures import SaveFuture
 from mpckpt._read.load import load_state as load_tree
 from mpckpt._read.regions import Reader as RegionReader
@@ -152,12 +152,9 @@ def commit_timeout_s(ckpt: Checkpointer) -> float:
     return float(_checkpointer(ckpt)._writer().wait_s)
 
 
-@contextlib.contextmanager
-def holding(ckpt: Checkpointer, step: int) -> Iterator[None]:
+def holding(ckpt: Checkpointer, step: int) -> AbstractContextManager[None]:
     """Retention (``keep=``, ``rm``, a framework's rotation) keeps ``step`` while the block runs."""
-    rt = _checkpointer(ckpt)._rt
-    with rt.reading(step):
-        yield
+    return _checkpointer(ckpt)._rt.reading(step)
 
 
 def stored_parts(checkpoint: Checkpoint) -> StoredParts:

@@ -40,9 +40,9 @@ import torch
 
 from mpckpt import _dtypes
 from mpckpt._codec import values as _values
+from mpckpt._codec.dtensor import PlacedShard, ShardInfo, is_dtensor, shard_info
 from mpckpt._codec.recall import _DIRECT, _RAW, _VIA_REAL, FlattenMemo, Recall, _byte_range
 from mpckpt._codec.values import TAG, path_of
-from mpckpt._dist.dtensor import PlacedShard, ShardInfo, is_dtensor, shard_info
 from mpckpt.errors import StateError
 from mpckpt.per_rank import PerRank
 

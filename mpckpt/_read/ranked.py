@@ -2,7 +2,7 @@
 
 ``load_ranked`` (``mpckpt.load``, ``mpckpt export``): full plain tensors, and a ``PerRank``
 value as the list of every rank's value. ``load_ranked_for`` (a restore in a job): what one
-rank needs, DTensors built on the live state's meshes and placements (``_dist.dtensor``),
+rank needs, DTensors built on the live state's meshes and placements (``_codec.dtensor``),
 each read as the region of its global tensor that this rank's shard covers (``regions``).
 ``check_ranked``: what ``verify`` checks beyond every file's checksum. ``shard_like_live``:
 a checkpoint one process saved, restored into the DTensors of a job.
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from mpckpt._codec.dtensor import ShardInfo, as_dtensor, local_shape
 from mpckpt._codec.values import path_of
-from mpckpt._dist.dtensor import ShardInfo, as_dtensor, local_shape
 from mpckpt._read.regions import Chunk, Reader, leaf_dtype
 from mpckpt._read.skeleton import Skeleton, build
 from mpckpt._read.sources import Source

@@ -41,18 +41,13 @@ import torch
 import torch.distributed as dist
 
 import mpckpt
-from harness.job import (  # noqa: F401 -- the other workers take them from here too
-    HIDDEN,
-    IN,
-    OUT_DIM,
+from harness.job import (
     attempt,
     build_model,
     draw,
-    full,
     full_state,
     init_group,
     module_of,
-    parallel,
     seed_generators,
     train_step,
     write_json,
