@@ -22,11 +22,19 @@ processes started with ``multiprocess`` in the same program keep their main modu
 What the uploaders do get from the training process is its environment *at the time the
 Checkpointer opens* (``worker_main`` applies it): the fork server is started once per
 process and would otherwise hand every later uploader the environment of that moment.
+
+The fork server listens on a Unix socket in a folder under the temporary directory
+(``TMPDIR``), and a Unix socket's path holds at most 107 bytes: under a temporary directory too
+deep for it (a CI runner's workspace, a test framework's per-test folder) the uploaders start
+with ``spawn`` instead of failing to start.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import tempfile
 import threading
 from typing import Any
 
@@ -38,6 +46,8 @@ VALIDATOR_NAME = "mpckpt-validator"
 _WITHOUT_MAIN = (PROCESS_NAME, VALIDATOR_NAME)
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _installed = threading.Lock()
+_UNIX_SOCKET_PATH_MAX = 107
+log = logging.getLogger("mpckpt")
 
 
 def _without_main(original: Any) -> Any:
@@ -63,8 +73,19 @@ def _install() -> None:
 def uploader_context(start_method: str) -> Any:
     """The ``multiprocess`` context uploaders start from (``fork``, ``spawn`` or ``forkserver``)."""
     _install()
+    if start_method == "forkserver" and not forkserver_socket_fits():
+        log.info("mpckpt: the temporary directory %s is too deep for the fork server's Unix socket; the "
+                 "uploaders start with spawn", tempfile.gettempdir())
+        start_method = "spawn"
     ctx = multiprocess.get_context(start_method)
     if start_method == "forkserver":
         # Only takes effect before the server starts; the server then never runs the main script.
         ctx.set_forkserver_preload(["mpckpt._upload.server"])
     return ctx
+
+
+def forkserver_socket_fits(tempdir: str | None = None) -> bool:
+    """Whether the fork server's socket, ``<tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX``, fits in
+    a Unix socket's path (``tempdir``: the temporary directory, ``TMPDIR`` or the system's)."""
+    path = os.path.join(tempdir or tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")
+    return len(os.fsencode(path)) <= _UNIX_SOCKET_PATH_MAX
