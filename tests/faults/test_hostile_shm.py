@@ -342,6 +342,7 @@ def test_this_processs_own_segments_survive_its_own_reaper():
 # -- dead owners ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("reaper", ["open", "gc"])
+@pytest.mark.alone  # its gc must be the one that removes the dead trainer's memory
 def test_a_sigkilled_trainers_memory_goes_at_the_next_open_or_gc(tmp_path, reaper):
     trainer = Trainer(tmp_path / "run", tmp_path, here=True)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import mpckpt
@@ -11,6 +12,7 @@ from mpckpt._system import shm as _shm
 from mpckpt.cli import main
 
 
+@pytest.mark.alone  # its gc must be the one that removes the orphaned segment
 def test_ls_verify_and_gc(tmp_path, capsys):
     with mpckpt.Checkpointer(tmp_path, workers=1) as ckpt:
         ckpt.save(1, {"x": torch.ones(100)}, metrics={"loss": 0.5})
