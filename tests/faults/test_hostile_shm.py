@@ -377,7 +377,7 @@ if child == 0:
     os._exit(0)
 said = json.loads(os.fdopen(r).readline())
 print(json.dumps({**said, "segment": seg.name, "owner": owner}), flush=True)
-time.sleep(600)
+time.sleep(600)  # until the test kills it
 '''
 
 

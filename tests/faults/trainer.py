@@ -31,7 +31,7 @@ def main() -> None:
         for step in range(start, start + 1000):
             fut = ckpt.save(step, state_for(step))
             fut.add_done_callback(lambda f: print(f"committed {f.step}", flush=True))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the scenario: a training step (uploads run meanwhile)
 
 
 if __name__ == "__main__":
