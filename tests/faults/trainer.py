@@ -15,12 +15,11 @@ import torch
 
 import mpckpt
 from tests.backends import ctl_url
+from tests.states import random_state
 
 
 def state_for(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g).to(torch.bfloat16),
-            "step": step}
+    return random_state(step, {"w": (256, 256), "b": (256,)}, dtypes={"b": torch.bfloat16}, step=step)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import mpckpt
 from mpckpt import _testing
 from mpckpt._stage.arena import Arena
 from tests.conftest import assert_same
+from tests.states import random_state
 from tests.waiting import wait_until
 
 BOUND_S = 60.0
@@ -32,8 +33,7 @@ BUDGET = 64 << 20
 
 
 def _state(seed: int) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    return {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": seed}  # about 4 MiB
+    return random_state(seed, {"w": (1 << 20,), "b": (1000,)}, step=seed)  # about 4 MiB
 
 
 @contextlib.contextmanager

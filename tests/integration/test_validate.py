@@ -9,13 +9,13 @@ import os
 import time
 
 import pytest
-import torch
 
 import mpckpt
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.cli import main
 from mpckpt.errors import ConfigError, StepOrderError, ValidationError, WaitTimeoutError
 from tests.integration.test_remote import backend, remote, server  # noqa: F401 -- fixtures: moto S3, Azurite
+from tests.states import filled_state
 from tests.waiting import poll_until
 
 # val_loss of each step's state: w is filled with it
@@ -23,7 +23,7 @@ VAL = {1: 3.0, 2: 1.0, 3: 2.0, 4: 1.0, 5: 2.0, 6: 3.0}
 
 
 def state_of(step: int) -> dict:
-    return {"w": torch.full((256,), VAL.get(step, float(step))), "step": step}
+    return filled_state(VAL.get(step, float(step)), (256,), step=step)
 
 
 def evaluate(checkpoint: Checkpoint) -> dict:
