@@ -52,12 +52,12 @@ class ControlledLocal(LocalBackend):
         if (slow := self.options.get("slow_file")) is not None:
             try:
                 with open(slow) as f:
-                    time.sleep(min(60.0, float(f.read() or 0)))
+                    time.sleep(min(60.0, float(f.read() or 0)))  # the rule's scenario: a slow disk
             except (OSError, ValueError):
                 pass  # no file (the disk is fast again), or a half-written one
         for pattern, seconds in self.options.get("delay", {}).items():
             if re.search(pattern, relpath):
-                time.sleep(seconds)
+                time.sleep(seconds)  # the rule's scenario: a slow write
         for pattern, message in self.options.get("fail", {}).items():
             if re.search(pattern, relpath):
                 raise OSError(5, message)

@@ -38,6 +38,7 @@ from mpckpt.errors import (
 from mpckpt.storage import open_backend
 from mpckpt.storage.base import MANIFEST_NAME, Backend
 from mpckpt.storage.local import LocalBackend
+from tests.waiting import wait_until
 
 DATA = bytes(range(256)) * 40  # 10240 bytes with a position-dependent pattern
 MANIFEST = json.dumps({"files": {"shard-0.safetensors": len(DATA)}}).encode()
@@ -584,7 +585,7 @@ class ObjectStoreContract(BackendContract):
     def test_lease_expiry_is_renewed(self, backend: Any) -> None:
         lock = backend.acquire_writer_lock("writer-a")
         first = json.loads(backend.read_bytes(".mpckpt.lock"))
-        time.sleep(0.01)
+        time.sleep(0.01)  # time passing is the scenario: the renewed lease ends later
         lock.renew()
         second = json.loads(backend.read_bytes(".mpckpt.lock"))
         assert second["owner"] == "writer-a" and second["expires_unix"] > first["expires_unix"] > time.time()
@@ -619,12 +620,13 @@ class TestMemory(ObjectStoreContract):
 
         short = FsspecBackend(backend.url, {"lease_s": 0.6})
         lock = short.acquire_writer_lock("writer-a")
-        time.sleep(1.5)  # more than twice the lease: only the keep-alive thread can have kept it
+        time.sleep(1.5)  # the scenario: more than twice the lease passes; only the keep-alive can have kept it
         with pytest.raises(LockedError, match="writer-a"):
             short.acquire_writer_lock("writer-b")
         lock._stop.set()  # the holder goes silent, as if its process had died
         lock._keepalive.join()
-        time.sleep(0.8)
+        wait_until(lambda: json.loads(short.read_bytes(".mpckpt.lock"))["expires_unix"] < time.time(), 30,
+                   "the silent holder's lease to expire")
         short.acquire_writer_lock("writer-b").release()
         with pytest.raises(LockedError, match="taken over"):
             lock.renew()

@@ -39,6 +39,7 @@ from mpckpt.storage.local import LocalBackend
 from tests.commands import mpckpt_in_process
 from tests.conftest import assert_same
 from tests.legacy_roots import make_legacy
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = (0, 1)
@@ -525,9 +526,11 @@ def test_loads_beside_a_writer_whose_retention_deletes_never_fail(tmp_path):
                 step += 1
     """)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        while not list(path.glob("step_*")):
+        def first_commit() -> bool:
             assert writer.poll() is None, "the writer ended before its first commit"
-            time.sleep(0.05)
+            return bool(list(path.glob("step_*")))
+
+        wait_until(first_commit, 180, "the writer's first commit", poll_s=0.05)
         steps, loads, deadline = set(), 0, time.monotonic() + 180
         # Each load races the writer's next commit and its deletion of this one; keep loading until
         # the writer has moved on a dozen times meanwhile (how fast it does depends on machine load).

@@ -49,6 +49,7 @@ import torch
 import mpckpt
 from mpckpt._system import shm as _shm
 from mpckpt.cli import main
+from tests.states import filled_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOUND_S = 120.0  # the longest any step may take on a loaded 2-core machine; never a measurement
@@ -124,7 +125,7 @@ sys.exit(main(["gc"]))
 
 
 def state(step: int) -> dict[str, Any]:
-    return {"w": torch.full((128, 128), float(step)), "step": step}
+    return filled_state(float(step), (128, 128), step=step)  # (TRAINER's own, in its process)
 
 
 def _env() -> dict[str, str]:
@@ -378,7 +379,7 @@ if child == 0:
     os._exit(0)
 said = json.loads(os.fdopen(r).readline())
 print(json.dumps({**said, "segment": seg.name, "owner": owner}), flush=True)
-time.sleep(600)
+time.sleep(600)  # until the test kills it
 '''
 
 

@@ -31,6 +31,7 @@ from mpckpt import _testing
 from mpckpt.errors import MpckptError, UploadError
 from mpckpt.format.manifest import checkpoint_name
 from tests.conftest import assert_same
+from tests.states import random_state
 
 BACKENDS = [pytest.param("s3", marks=pytest.mark.s3), pytest.param("azure", marks=pytest.mark.azure)]
 READ_TIMEOUT_S = 2  # client socket timeouts, small so that a stall ends quickly
@@ -94,11 +95,8 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
 
 
 def _state(step: int, *, tensors: int = 4, numel: int = 64 * 1024) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    state: dict[str, Any] = {f"w{i}": torch.randn(numel, generator=g) for i in range(tensors)}
-    state["ints"] = torch.randint(0, 1 << 30, (1000,), generator=g)
-    state["step"] = step
-    return state
+    return random_state(step, {**{f"w{i}": (numel,) for i in range(tensors)}, "ints": (1000,)},
+                        dtypes={"ints": torch.int64}, step=step)
 
 
 def _result(future: mpckpt.SaveFuture | Any) -> Any:

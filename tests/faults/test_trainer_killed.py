@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 import mpckpt
 from mpckpt._system import shm as _shm
 from tests.conftest import assert_same
 from tests.faults.trainer import state_for
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,16 +34,24 @@ def kill_trainer_mid_upload(root: str, markers: str, rng: random.Random) -> int:
         if not line:
             break
         commits += line.startswith("committed")
-    time.sleep(rng.uniform(0.0, 0.3))
+    time.sleep(rng.uniform(0.0, 0.3))  # the scenario: the kill lands at a random moment of the uploads
+    family = psutil.Process(proc.pid).children(recursive=True)  # its uploaders (and their server)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     assert commits >= 1, "the trainer never committed a checkpoint"
+    wait_until(lambda: all(map(_ended, family)), 60, f"the killed trainer's processes {family} to die with it")
     return proc.pid
 
 
+def _ended(p: psutil.Process) -> bool:
+    """Gone, or a zombie no one has reaped yet (nothing of it runs)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def check_recovery(root: str, dead_pid: int) -> int:
-    # the dead trainer's uploaders die with it; give the kernel a moment
-    time.sleep(0.2)
     with mpckpt.Checkpointer(root, workers=1) as ckpt:
         latest = ckpt.latest_step
         assert latest is not None

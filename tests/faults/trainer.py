@@ -15,12 +15,11 @@ import torch
 
 import mpckpt
 from tests.backends import ctl_url
+from tests.states import random_state
 
 
 def state_for(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g).to(torch.bfloat16),
-            "step": step}
+    return random_state(step, {"w": (256, 256), "b": (256,)}, dtypes={"b": torch.bfloat16}, step=step)
 
 
 def main() -> None:
@@ -31,7 +30,7 @@ def main() -> None:
         for step in range(start, start + 1000):
             fut = ckpt.save(step, state_for(step))
             fut.add_done_callback(lambda f: print(f"committed {f.step}", flush=True))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the scenario: a training step (uploads run meanwhile)
 
 
 if __name__ == "__main__":

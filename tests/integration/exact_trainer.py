@@ -96,7 +96,7 @@ def main() -> None:
                 step += 1
                 if step == TOTAL_STEPS:
                     break
-                time.sleep(args.step_sleep)
+                time.sleep(args.step_sleep)  # the scenario: a slower training step
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from mpckpt.storage import BackendSpec, register_backend
 from mpckpt.storage.local import LocalBackend
+from tests.waiting import poll_until
 
 SCHEME = "gated"
 _POLL_S = 0.02
@@ -36,10 +36,8 @@ class GatedLocal(LocalBackend):
 
     def write_file(self, relpath: str, parts: Sequence[Any]) -> None:
         if re.search(self.options.get("hold", r"\.safetensors$"), relpath):
-            gate = self.options["gate"]
-            deadline = time.monotonic() + float(self.options.get("max_wait_s", 120))
-            while not os.path.exists(gate) and time.monotonic() < deadline:  # never a hang: the test fails instead
-                time.sleep(_POLL_S)
+            gate = self.options["gate"]  # never a hang: past the bound the write goes on and the test fails instead
+            poll_until(lambda: os.path.exists(gate), float(self.options.get("max_wait_s", 120)), poll_s=_POLL_S)
         super().write_file(relpath, parts)
 
 

@@ -39,7 +39,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -51,6 +50,7 @@ import xxhash
 import mpckpt
 from harness.job import attempt, init_group, module_of, parallel, write_json
 from tests.integration.peer_worker import local
+from tests.waiting import poll_until
 
 IN, WIDTH, OUT_DIM = 16, 64, 4
 MiB = 1 << 20
@@ -107,12 +107,8 @@ class Files:
     def others_saved(self, step: int, timeout_s: float = OTHERS_SAVED_TIMEOUT_S) -> bool:
         """Wait (bounded) until every other rank's trace says ``saved <step>``; whether they all did."""
         others = [self.out / f"rank{r}" / "trace" for r in range(self.world) if r != self.rank]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(p.exists() and f"saved {step}" in p.read_text().split("\n") for p in others):
-                return True
-            time.sleep(0.01)
-        return False
+        return bool(poll_until(lambda: all(p.exists() and f"saved {step}" in p.read_text().split("\n")
+                                           for p in others), timeout_s))
 
 
 def die(files: Files, moment: str, step: int, **doc: Any) -> None:
@@ -136,13 +132,8 @@ def watcher(files: Files, step: int, others_saved: bool, timeout_s: float) -> th
     """A thread that SIGKILLs this process once one of its threads is copying (or after ``timeout_s``)."""
 
     def run() -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            where = in_copy()
-            if where is not None:
-                die(files, "in_save", step, others_saved=others_saved, mid_copy=True, where=where)
-            time.sleep(0.0002)
-        die(files, "in_save", step, others_saved=others_saved, mid_copy=False, where=None)
+        where = poll_until(in_copy, timeout_s, poll_s=0.0002)
+        die(files, "in_save", step, others_saved=others_saved, mid_copy=where is not None, where=where)
 
     return threading.Thread(target=run, name="job-kill-watcher", daemon=True)
 

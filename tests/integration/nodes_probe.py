@@ -32,11 +32,11 @@ def main() -> None:
         dist.destroy_process_group()
         return
     Path(f"/dev/shm/probe-r{rank}").write_bytes(b"x" * 4096)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # lives until its node is lost
     (out / f"held-r{rank}.json").write_text(json.dumps({"pid": os.getpid(), "child": child.pid}))
     if rank == 0:
         while True:
-            time.sleep(1)
+            time.sleep(1)  # until its node is lost
     dist.recv(torch.zeros(1), src=0)  # never sent: fails when node 0 is lost
 
 

@@ -28,7 +28,7 @@ def native_only_threads() -> int:
     for _ in range(5):
         python = {t.native_id for t in threading.enumerate()}
         counts.append(sum(1 for tid in os.listdir("/proc/self/task") if int(tid) not in python))
-        time.sleep(0.1)
+        time.sleep(0.1)  # the samples of a measurement (no event marks a thread's last moment)
     return min(counts)
 
 

@@ -135,7 +135,7 @@ class Job:
 def linger() -> None:
     """Wait to be killed (a crash leaves what is kept in memory where it is)."""
     while True:
-        time.sleep(1)
+        time.sleep(1)  # until the test kills it
 
 
 def train(args: argparse.Namespace, rank: int, world: int) -> None:

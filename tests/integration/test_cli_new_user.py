@@ -239,7 +239,7 @@ _HELPER = """
     print("bar object" if bar is not None else "no bar object", file=sys.stderr, flush=True)
     if bar is not None:
         for _ in range(10):
-            time.sleep(pause)
+            time.sleep(pause)  # the scenario: a slow read (the bar shows after a second)
             bar.update(total // 10)
         bar.close()
 """
@@ -288,7 +288,7 @@ _LOAD = """
     read_into = LocalBackend.read_into
 
     def slow(self, *args, **kwargs):
-        time.sleep(pause)
+        time.sleep(pause)  # the scenario: slow storage
         return read_into(self, *args, **kwargs)
 
     LocalBackend.read_into = slow

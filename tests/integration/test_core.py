@@ -17,6 +17,7 @@ from mpckpt._system import shm as _shm
 from mpckpt.errors import UploadError
 from tests.backends import ctl_url
 from tests.conftest import assert_same, make_model, train_step
+from tests.waiting import wait_until
 
 
 def test_model_and_adam_roundtrip_bit_identical(tmp_path):
@@ -124,14 +125,11 @@ def test_commits_in_save_order_when_uploads_finish_out_of_order(tmp_path):
     opts = {"delay": {r"step_0000000001\.": 1.5}, "marker_dir": str(markers)}
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=2, storage_options=opts) as ckpt:
         futures = [ckpt.save(s, {"x": torch.full((1000,), float(s))}) for s in range(4)]
-        def staged(s: int) -> list[str]:
-            return [p for p in os.listdir(tmp_path / "run") if p.startswith(f".tmp.step_{s:010d}.")]
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (staged(3) and os.listdir(tmp_path / "run" / staged(3)[0])):
-            time.sleep(0.01)
+        wait_until(lambda: {2, 3} <= {r.step for r in ckpt._rt.ledger.pending() if r.settled}, 30,
+                   "steps 2 and 3 written (every file uploaded) while step 1 still uploads")
+        # A window for the wrong commit to show (not synchronisation: no event marks a commit that must
+        # not happen): steps 2 and 3 are written, step 1 is still uploading: nothing after 0 may be committed
         time.sleep(0.2)
-        # steps 2 and 3 are written, step 1 is still uploading: nothing after 0 may be committed
         assert not futures[1].done()
         assert ckpt.latest_step == 0
         assert not futures[2].done() and not futures[3].done()
@@ -165,7 +163,7 @@ class ShmSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, _shm_bytes_of_this_process())
-            time.sleep(0.002)
+            time.sleep(0.002)  # the sampling period of a measurement, not synchronisation
 
     def __enter__(self) -> ShmSampler:
         self._thread.start()
@@ -270,10 +268,8 @@ def test_coalesce_replaces_a_queued_checkpoint(tmp_path):
     with mpckpt.Checkpointer(ctl_url(tmp_path / "run"), workers=1, memory_budget="10MiB", policy="coalesce",
                              storage_options=opts) as ckpt:
         ckpt.save(0, state)          # uploading (slow)
-        deadline = time.monotonic() + 30
-        while not _testing.upload_started(ckpt, 0):  # the worker took step 0's job (seq 0): the next one queues
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # the worker took step 0's job (seq 0): the next one queues
+        wait_until(lambda: _testing.upload_started(ckpt, 0), 30, "the upload of step 0 started")
         f1 = ckpt.save(1, state)     # queued behind it
         f2 = ckpt.save(2, state)     # budget full: replaces step 1
         assert f1.result(30).name is None and f1.stats.status == "coalesced"

@@ -144,7 +144,7 @@ def test_work_queued_before_a_save_is_in_it(tmp_path):
     small = [torch.zeros(100, device="cuda") for _ in range(50)]  # gathered
     with mpckpt.Checkpointer(tmp_path, workers=2) as ckpt:
         for step in range(3):
-            torch.cuda._sleep(SPIN)
+            torch.cuda._sleep(SPIN)  # the scenario: the stream is busy, the additions queue behind it
             big.add_(1)
             for t in small:
                 t.add_(1)

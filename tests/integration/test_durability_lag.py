@@ -22,10 +22,11 @@ from mpckpt.errors import ConfigError
 from mpckpt.format.manifest import checkpoint_name
 from mpckpt.storage.local import LocalBackend
 from tests.integration.gated_backend import gated_url
+from tests.states import filled_state
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((4096,), float(step))}
+    return filled_state(float(step), (4096,))
 
 
 def _lag_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

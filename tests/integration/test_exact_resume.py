@@ -264,10 +264,10 @@ import mpckpt
 ckpt = mpckpt.Checkpointer(sys.argv[1], workers=1)
 child = os.fork()  # as a DataLoader worker is forked
 if child == 0:
-    time.sleep(60)
+    time.sleep(60)  # lives on until the test kills it
     os._exit(0)
 print(child, flush=True)
-time.sleep(60)
+time.sleep(60)  # until the test kills it
 """
 
 

@@ -23,11 +23,11 @@ import mpckpt
 from mpckpt import extension
 from mpckpt.errors import ConfigError, CorruptCheckpointError, MpckptError, StepOrderError
 from tests.conftest import assert_same
+from tests.states import random_state
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+    return random_state(seed, {"w": (256, 64), "b": (64,)})
 
 
 def _metrics_and_step(checkpoint: mpckpt.Checkpoint) -> dict[str, float]:

@@ -6,7 +6,6 @@ save that needs the memory takes the oldest with a warning (never more than the 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -19,6 +18,7 @@ from mpckpt._keep.store import base_name, read_kept, record_names
 from mpckpt._stage import written
 from mpckpt._stage.arena import Arena
 from tests.unit.test_keeper_completion import BOUND_S, MiB, Shard
+from tests.waiting import poll_until
 
 
 @pytest.fixture
@@ -47,10 +47,12 @@ def _keep(keeper: Keeper, arena: Arena, step: int) -> None:
 
 
 def _settled(keeper: Keeper, want: list[int]) -> list[int]:
-    deadline = time.monotonic() + BOUND_S
-    while keeper.held_steps() != want and time.monotonic() < deadline:
-        keeper.wait(0.05)
-        time.sleep(0.02)
+    """The steps ``keeper`` holds once they are ``want`` (or the bound has passed: the test says what)."""
+    def held() -> bool:
+        keeper.wait(0.05)  # (its newest record's completion)
+        return keeper.held_steps() == want
+
+    poll_until(held, BOUND_S, poll_s=0.02)
     return keeper.held_steps()
 
 

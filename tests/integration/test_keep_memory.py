@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from mpckpt._system import shm as _shm
 from mpckpt.errors import ConfigError
 from tests.conftest import assert_same, make_model, train_step
 from tests.integration.gated_backend import gated_url
+from tests.waiting import wait_until
 
 TRAINER = str(Path(__file__).with_name("keep_trainer.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -141,9 +141,8 @@ def test_an_intact_kept_snapshot_is_restored_from_memory_and_its_slab_serves_the
         assert_same({k: v for k, v in state["model"].state_dict().items()}, saved[2]["model"])
         arena = ckpt._rt.arena
         taken = arena._slabs[0].name  # the kept slab, taken over by the restore (before any spare)
-        deadline = time.monotonic() + 60  # the restore's background prepare makes two slabs: let it finish
-        while (arena._creating or not arena._spares.empty()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not arena._creating and arena._spares.empty(), 60,
+                   "the restore's background prepare (two slabs) finished")
         adopted = {s.name for s in arena._slabs}
         assert taken in adopted and len(adopted) <= 3, ("the kept slab was taken over", adopted)  # + two prepared
         ckpt.save(3, state)

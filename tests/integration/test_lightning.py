@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ import mpckpt  # noqa: E402
 from mpckpt.integrations import lightning_files  # noqa: E402
 from mpckpt.integrations.lightning import MpckptCheckpointIO, read_pointer  # noqa: E402
 from tests.integration.gated_backend import gated_url  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 OPTIONS = {"workers": 1, "memory_budget": "64MiB"}
 
@@ -111,10 +111,7 @@ def committed(dirpath: Path, root: Path | str | None = None) -> list[int]:
 
 def written(path: Path, timeout_s: float = 60) -> None:
     """Wait until the file at ``path`` is a checkpoint, no longer a pointer."""
-    deadline = time.monotonic() + timeout_s
-    while read_pointer(path) is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert read_pointer(path) is None
+    wait_until(lambda: read_pointer(path) is None, timeout_s, f"{path} to be a checkpoint", poll_s=0.05)
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:

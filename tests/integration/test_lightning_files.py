@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 import secrets
 import threading
-import time
 from pathlib import Path
 
 import fsspec
@@ -28,6 +27,7 @@ import mpckpt  # noqa: E402
 from mpckpt.integrations.lightning import MpckptCheckpointIO, read_pointer  # noqa: E402
 from tests.integration.gated_backend import gated_url  # noqa: E402
 from tests.integration.test_lightning import OPTIONS, Net, root_of, trainer, weights  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 
 def mpckpt_processes() -> list[str]:
@@ -47,10 +47,9 @@ def mpckpt_threads() -> list[str]:
 
 
 def assert_nothing_open() -> None:
-    deadline = time.monotonic() + 5  # a process that was told to stop may take a moment to be reaped
-    while mpckpt_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert mpckpt_processes() == [] and mpckpt_threads() == []
+    # a process that was told to stop may take a moment to be reaped
+    wait_until(lambda: mpckpt_processes() == [], 5, "mpckpt's processes to end", poll_s=0.05)
+    assert mpckpt_threads() == []
 
 
 def files_of_root(root: Path | str) -> dict[int, str]:

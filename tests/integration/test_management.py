@@ -18,10 +18,11 @@ import torch
 import mpckpt
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.errors import ConfigError, StateError, StepOrderError
+from tests.states import filled_state
 
 
 def small_state(value: float) -> dict:
-    return {"w": torch.full((64,), value), "step": int(value)}
+    return filled_state(value, (64,), step=int(value))
 
 
 def test_a_read_only_checkpointer_browses_and_restores_while_another_writes(tmp_path):
@@ -140,7 +141,7 @@ TRAINER = textwrap.dedent("""
                     print("saved", step, flush=True)
                     print("restarts", ckpt.stats.worker_restarts, flush=True)
                     break
-                time.sleep(0.01)
+                time.sleep(0.01)  # the scenario: a training step (a signal may come at any moment)
         print("closed", flush=True)
 """)
 

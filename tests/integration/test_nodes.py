@@ -21,20 +21,13 @@ from pathlib import Path
 import pytest
 
 from harness.nodes import Cluster, namespaces_unavailable
+from tests.waiting import wait_until
 
 if (_why := namespaces_unavailable()) is not None:
     pytest.skip(_why, allow_module_level=True)
 
 PROBE = Path(__file__).with_name("nodes_probe.py")
 JOB_TIMEOUT_S = 120
-
-
-def wait_for(cond, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not met within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def test_nodes_have_their_own_shm_and_hostname() -> None:
@@ -67,7 +60,8 @@ def test_two_node_job_sees_two_hosts(tmp_path: Path) -> None:
 def test_lose_kills_every_process_and_memory_of_a_node(tmp_path: Path) -> None:
     with Cluster(2, shm_size="16m", name_prefix="tl") as cluster:
         job = cluster.launch(PROBE, [tmp_path, "--hold"], nproc_per_node=1, log_dir=tmp_path / "logs")
-        wait_for(lambda: all((tmp_path / f"held-r{r}.json").exists() for r in range(2)), what="ranks holding")
+        wait_until(lambda: all((tmp_path / f"held-r{r}.json").exists() for r in range(2)), 60, "ranks holding",
+                   poll_s=0.05)
         lost, kept = cluster.nodes
         held = json.loads((tmp_path / "held-r0.json").read_text())
         on_lost = set(lost.pids())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,14 +25,15 @@ import mpckpt
 from mpckpt import _testing
 from mpckpt._stage.arena import Arena
 from tests.conftest import assert_same
+from tests.states import random_state
+from tests.waiting import wait_until
 
 BOUND_S = 60.0
 BUDGET = 64 << 20
 
 
 def _state(seed: int) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    return {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": seed}  # about 4 MiB
+    return random_state(seed, {"w": (1 << 20,), "b": (1000,)}, step=seed)  # about 4 MiB
 
 
 @contextlib.contextmanager
@@ -54,13 +54,6 @@ def _held_warming(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
         opened.set()
 
 
-def _wait_until(condition: Any) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached within the bound"
-        time.sleep(0.01)
-
-
 def _saved(root: Any) -> dict[str, Any]:
     state = _state(1)
     with mpckpt.Checkpointer(root, workers=1) as ckpt:
@@ -79,7 +72,8 @@ def test_restore_returns_before_the_shared_memory_for_the_next_save_exists(tmp_p
         slab_bytes = ckpt._rt.saver.slab_bytes_for(live)
         assert 0 < ckpt._rt.arena.allocated_bytes < 2 * slab_bytes  # the one being made counts, one only
         gate.set()
-        _wait_until(lambda: len(_testing.slabs(ckpt)) == 2)  # then the first save's and the next one's
+        wait_until(lambda: len(_testing.slabs(ckpt)) == 2, BOUND_S,
+                   "the first save's slab and the next one's")
         warmed = {slab.name for slab in _testing.slabs(ckpt)}
         live["step"] = 2
         ckpt.save(2, live).result(BOUND_S)
@@ -98,8 +92,8 @@ def test_a_save_before_the_warming_is_done_waits_for_the_slab_being_made(tmp_pat
         opener.start()
         live["step"] = 2
         ckpt.save(2, live).result(BOUND_S)
-        _wait_until(lambda: len(_testing.slabs(ckpt)) == 2 and ckpt._rt.arena.allocated_bytes == sum(
-            slab.capacity for slab in _testing.slabs(ckpt)))  # the warming is done
+        wait_until(lambda: len(_testing.slabs(ckpt)) == 2 and ckpt._rt.arena.allocated_bytes == sum(
+            slab.capacity for slab in _testing.slabs(ckpt)), BOUND_S, "the warming's two slabs")
         slabs = _testing.slabs(ckpt)
         assert len(slabs) == 2  # the warming's two: the early save made no third
         assert ckpt.stats.peak_shm_bytes <= sum(slab.capacity for slab in slabs) <= BUDGET

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import signal
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from harness.nodes import Cluster, Job, Node, namespaces_unavailable
 from mpckpt._keep.record import KeptRecord
 from mpckpt.format.checksums import file_checksums
 from tests.conftest import assert_same
+from tests.waiting import wait_until
 
 if (_why := namespaces_unavailable()) is not None:
     pytest.skip(_why, allow_module_level=True)
@@ -67,13 +68,23 @@ class Run:
     def wait_for(self, job: Job, names: list[str], timeout_s: float = JOB_TIMEOUT_S, poll_s: float = 0.05) -> None:
         """Until every file ``names`` is in the output folder (failing with the logs if the agent of a node
         alive ends first)."""
-        deadline = time.monotonic() + timeout_s
-        while not all((self.out / n).exists() for n in names):
+        def arrived() -> bool:
+            if all((self.out / n).exists() for n in names):
+                return True
             ended = [a.poll() is not None for a, n in zip(job.agents, self.cluster.nodes, strict=True) if n.alive]
-            if any(ended) or time.monotonic() > deadline:
-                job.kill()
-                pytest.fail(f"waiting for {names}: an agent ended or {timeout_s:.0f} s passed; logs:\n{job.logs()}")
-            time.sleep(poll_s)
+            assert not any(ended), f"an agent ended while waiting for {names}"
+            return False
+
+        self.until(job, arrived, timeout_s, f"the files {names}", poll_s=poll_s)
+
+    @staticmethod
+    def until(job: Job, predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float) -> None:
+        """``wait_until``; when it fails, the job is killed and the test fails with its logs."""
+        try:
+            wait_until(predicate, timeout_s, what, poll_s=poll_s)
+        except AssertionError as e:
+            job.kill()
+            pytest.fail(f"{e}; logs:\n{job.logs()}")
 
     def train(self, *extra: Any) -> list[dict[str, Any]]:
         """Phase 1: every rank trains and saves, then lingers (its job is left running)."""
@@ -276,12 +287,8 @@ def test_partner_node_lost_mid_copy_the_future_resolves_and_nothing_partial_is_p
         run.wait_for(run.job, ["started-r0"], poll_s=0.001)
         old = peer_record(node1, 0)  # the copy of step 0
         assert old is not None and old.step == 0, "the copy of step 1 was in place before the test looked"
-        deadline = time.monotonic() + 60
-        while not receiving(node1, old.data):  # the bytes of rank 0's step 1 started landing on node 1
-            if time.monotonic() > deadline:
-                run.job.kill()
-                pytest.fail(f"node 1 never started receiving rank 0's step 1; logs:\n{run.job.logs()}")
-            time.sleep(0.0005)
+        run.until(run.job, lambda: receiving(node1, old.data), 60,  # the bytes of rank 0's step 1 landing on node 1
+                  "node 1 receiving rank 0's step 1", poll_s=0.0005)
         for pid in node1.pids():  # frozen mid-transfer
             os.kill(pid, signal.SIGSTOP)
         held = peer_record(node1, 0)

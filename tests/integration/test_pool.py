@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ from mpckpt._upload.worker import WriteJob
 from mpckpt.errors import ConfigError, UploadError
 from mpckpt.storage import BackendSpec, spec_for_url
 from tests.backends import ctl_url
+from tests.waiting import wait_until
 
 SIZE = 1 << 20
 BOUND_S = 60.0  # an upper bound for things that must happen; never what a test measures
@@ -109,13 +109,6 @@ def maps(pid: int, seg: Segment) -> bool:
         return False
 
 
-def wait_until(condition: Any) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached within the bound"
-        time.sleep(0.01)
-
-
 def assert_gone(pids: list[int]) -> None:
     procs = []
     for pid in pids:
@@ -183,7 +176,8 @@ def test_a_held_start_waits_for_go_a_submit_or_its_bound_and_nothing_else(tmp_pa
         for pool in pools[:2]:
             pool.start(wait=False, hold_s=BOUND_S * 10)
         pools[2].start(wait=False, hold_s=0.3)
-        time.sleep(1.0)  # (the third pool's bound has passed; the others' has not)
+        # the third pool's bound has passed (its workers are up); the others' has not
+        wait_until(pools[2]._started.is_set, BOUND_S, "the third pool's start at the end of its 0.3 s hold")
         assert not pools[0]._slots and not pools[1]._slots, "a held start spawned its workers"
         assert not pools[0]._started.is_set() and not pools[1]._started.is_set()
         pools[0].go()
@@ -249,7 +243,7 @@ def test_a_killed_worker_is_replaced_and_its_job_retried(tmp_path, segment):
     with started(ctl_spec(tmp_path, delay={"slow": SLOW_S}), workers=1) as pool:
         victim = pool.pids[0]
         pool.submit(job)
-        wait_until(lambda: maps(victim, segment))  # it is inside the job now
+        wait_until(lambda: maps(victim, segment), BOUND_S, "the worker inside the job (the segment mapped)")
         os.kill(victim, signal.SIGKILL)
         results.wait_for("slow.bin")
         assert pool.restarts == 1 and pool.retries == 1
@@ -304,7 +298,7 @@ def test_cancel_drops_queued_jobs_only_while_every_worker_is_busy(tmp_path, segm
     with started(ctl_spec(tmp_path, delay={"slow": SLOW_S}), workers=1) as pool:
         assert not pool.cancel("b")  # an idle worker: nothing waits in a queue
         pool.submit(write_job(segment, "slow.bin", results, tag="a"))
-        wait_until(lambda: pool.started("a"))
+        wait_until(lambda: pool.started("a"), BOUND_S, "job a started")
         pool.submit(write_job(segment, "b1.bin", results, tag="b"), write_job(segment, "b2.bin", results, tag="b"))
         assert not pool.cancel("a")  # already running
         assert pool.cancel("b")
@@ -334,7 +328,7 @@ def test_a_close_that_times_out_fails_the_jobs_left_and_stops_the_dispatcher(tmp
     pool.start()
     pids = pool.pids
     pool.submit(write_job(segment, "slow-1.bin", results), write_job(segment, "slow-2.bin", results))
-    wait_until(lambda: pool.started(None))
+    wait_until(lambda: pool.started(None), BOUND_S, "the job started")
     pool.close(timeout_s=0.5)  # shorter than the queue: what is left must fail, not hang
     results.wait_for("slow-1.bin", "slow-2.bin")
     assert any(isinstance(results.done[rel][2], UploadError) for rel in ("slow-1.bin", "slow-2.bin"))

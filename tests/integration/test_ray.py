@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 import pytest
@@ -40,6 +39,7 @@ def _train(config: dict[str, Any]) -> None:
     import torch
 
     from mpckpt.integrations import ray as mray
+    from tests.waiting import wait_until
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -68,9 +68,7 @@ def _train(config: dict[str, Any]) -> None:
         if config.get("check_forget"):
             # Ray deletes step 0 once it holds 3 checkpoints; the Checkpointer must stop listing it
             first = os.path.join(mray.experiment_root(), "step_0000000000")
-            deadline = time.monotonic() + 60
-            while os.path.exists(first) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: not os.path.exists(first), 60, "Ray deleting step 0", poll_s=0.1)
             listed_before = ckpt.steps()
             forgotten = mray._forget_deleted(ckpt)
             log.append({"before": listed_before, "forgotten": forgotten, "after": ckpt.steps()})

@@ -13,7 +13,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 import mpckpt
 from mpckpt._read.load import load_state
@@ -23,6 +22,7 @@ from mpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from mpckpt.format.names import checkpoint_name
 from mpckpt.storage import open_backend, spec_for_url
 from tests.conftest import assert_same
+from tests.states import random_state
 
 
 class MemoryCopy(StorageSource):
@@ -32,8 +32,7 @@ class MemoryCopy(StorageSource):
 
 
 def state() -> dict[str, object]:
-    g = torch.Generator().manual_seed(7)
-    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g), "step": 3}
+    return random_state(7, {"w": (256, 64), "b": (64,)}, step=3)
 
 
 @pytest.fixture

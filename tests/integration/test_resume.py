@@ -21,6 +21,7 @@ import torch
 
 import mpckpt
 from mpckpt.errors import ConfigError, StateError
+from tests.waiting import wait_until
 
 
 def _draw() -> tuple[list[float], float, list[float]]:
@@ -94,7 +95,7 @@ def test_a_trigger_decides_which_saves_save(tmp_path):
         ckpt.wait()
         assert ckpt.steps() == [0, 3, 6, 8]
     with mpckpt.Checkpointer(tmp_path / "seconds", workers=1, trigger=mpckpt.EveryNSeconds(0.05)) as ckpt:
-        time.sleep(0.1)  # more than 0.05 s since the checkpointer opened: due
+        time.sleep(0.1)  # time passing is the scenario (a time trigger): 0.05 s after the open, due
         assert ckpt.should_save(1) and ckpt.save(1, {"x": torch.ones(1)}) is not None
     for bad in (5, "EveryNSteps(5)", mpckpt.KeepLast(1)):
         with pytest.raises(ConfigError, match="trigger="):
@@ -115,9 +116,7 @@ def test_a_save_that_is_not_due_makes_the_first_slab_in_the_background(tmp_path)
     with mpckpt.Checkpointer(tmp_path, trigger=mpckpt.EveryNSteps(10)) as ckpt:
         assert ckpt.save(1, state) is None
         arena = ckpt._rt.arena
-        deadline = time.monotonic() + 60
-        while not arena._slabs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: arena._slabs, 60, "the first slab, made in the background")
         # a slab big enough for the state exists before the first due save, and that save uses it
         (slab,) = arena._slabs
         assert slab.capacity >= state["w"].nbytes and not slab.in_use

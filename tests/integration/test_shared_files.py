@@ -217,10 +217,11 @@ def test_a_pending_saves_shared_file_is_never_deleted_and_rm_and_gc_wait_for_the
 
 
 CRASH = textwrap.dedent("""
-    import os, sys, time
+    import os, sys
     import torch
     import mpckpt
     from tests.backends import ctl_url
+    from tests.waiting import wait_until
     root, markers = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     model = torch.nn.Linear(128, 128)  # the frozen part of Lora, alone
@@ -231,8 +232,8 @@ CRASH = textwrap.dedent("""
     with torch.no_grad():
         model.weight.add_(1.0)
     ckpt.save(1, {"model": model})
-    while not any(n.startswith("step_0000000001.") for n in os.listdir(os.path.join(root, "shared"))):
-        time.sleep(0.05)  # until step 1's frozen shards are being written
+    wait_until(lambda: any(n.startswith("step_0000000001.") for n in os.listdir(os.path.join(root, "shared"))),
+               60, "step 1's frozen shards being written")
     print("crashing", flush=True)
     os._exit(1)  # killed before step 1 commits
 """)

@@ -9,20 +9,21 @@ import os
 import time
 
 import pytest
-import torch
 
 import mpckpt
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.cli import main
 from mpckpt.errors import ConfigError, StepOrderError, ValidationError, WaitTimeoutError
 from tests.integration.test_remote import backend, remote, server  # noqa: F401 -- fixtures: moto S3, Azurite
+from tests.states import filled_state
+from tests.waiting import poll_until
 
 # val_loss of each step's state: w is filled with it
 VAL = {1: 3.0, 2: 1.0, 3: 2.0, 4: 1.0, 5: 2.0, 6: 3.0}
 
 
 def state_of(step: int) -> dict:
-    return {"w": torch.full((256,), VAL.get(step, float(step))), "step": step}
+    return filled_state(VAL.get(step, float(step)), (256,), step=step)
 
 
 def evaluate(checkpoint: Checkpoint) -> dict:
@@ -33,9 +34,7 @@ def evaluate(checkpoint: Checkpoint) -> dict:
 
 def gated(gate: str, checkpoint: Checkpoint) -> dict:
     """``evaluate``, once the file ``gate`` exists (so a test can hold validations back)."""
-    deadline = time.monotonic() + 60
-    while not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    poll_until(lambda: os.path.exists(gate), 60)  # (scores anyway after the bound: the test fails, never hangs)
     return evaluate(checkpoint)
 
 
@@ -48,7 +47,7 @@ def misbehave(plan: dict[int, str], checkpoint: Checkpoint) -> dict:
     if what == "crash":
         os._exit(3)
     if what == "hang":
-        time.sleep(60)
+        time.sleep(60)  # the scenario: a validation that hangs (its deadline stops it)
     return evaluate(checkpoint)
 
 

@@ -171,10 +171,16 @@ def test_store_requests_per_rank_do_not_grow_with_the_world(tmp_path, server):
 
 def test_a_rank_that_gave_up_wins_over_a_late_coordinator(tmp_path, server):
     """Rank 1 stops waiting and fails the step; the coordinator, later, must not commit it."""
+    gave_up = threading.Event()
+
     def act(rank, coordinator, backend, staging):
-        if rank == 0:
-            time.sleep(3.0)  # its own uploads were slow
-        return _commit(6)(rank, coordinator, backend, staging)
+        if rank == 0:  # its own uploads were slow: it comes to commit once rank 1 has given up
+            assert gave_up.wait(60), "rank 1 never gave up"
+            return _commit(6)(rank, coordinator, backend, staging)
+        try:
+            return _commit(6)(rank, coordinator, backend, staging)
+        finally:
+            gave_up.set()
 
     results, _, backend = _run(tmp_path, server, 2, 6, act, timeout_s=1.0)
     assert isinstance(results[1], RankError) and results[1].ranks == [0], results[1]

@@ -30,6 +30,7 @@ from mpckpt.format.manifest import FileEntry, Manifest, checkpoint_name, checksu
 from mpckpt.policies.retention import KeepLast, RetentionPolicy
 from mpckpt.storage import MANIFEST_NAME
 from mpckpt.storage.local import LocalBackend
+from tests.waiting import wait_until
 
 BOUND_S = 30.0  # an upper bound for things that must happen; never what a test measures
 HELD_S = 0.3    # how long a record that must stay pending is given to (wrongly) finish
@@ -291,9 +292,6 @@ def test_retention_deletes_in_the_background_but_never_what_a_pending_save_refer
     ledger.wait(timeout_s=BOUND_S)
     assert [r.future.result(0).name for r in (first, second, third)] == [checkpoint_name(s) for s in (1, 2, 3)]
     assert sorted(ledger.committed()) == [1, 3]  # 2 is forgotten at once; 1 stays while 3 references it
-    pause = threading.Event()
-    for _ in range(int(BOUND_S / 0.05)):  # the deleter removes step 2's folder in the background
-        if checkpoint_name(2) not in os.listdir(backend.root):
-            break
-        pause.wait(0.05)
+    wait_until(lambda: checkpoint_name(2) not in os.listdir(backend.root), BOUND_S,
+               "the deleter removing step 2's folder (in the background)", poll_s=0.05)
     assert sorted(os.listdir(backend.root)) == [checkpoint_name(1), checkpoint_name(3)]
