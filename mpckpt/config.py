@@ -1,9 +1,12 @@
-"""Every setting of mpckpt and where each comes from: argument > MPCKPT_* > default.
+"""Every setting of mpckpt, declared once, and where each comes from: argument > MPCKPT_* > default.
 
-``Config`` holds the frozen settings of a Checkpointer; ``progress_enabled`` answers the one
-setting read outside it (progress bars while loading). Each default is written once, as a
-``DEFAULT_*`` constant. No other module reads an ``MPCKPT_*`` variable: a storage backend
-gets its settings (``direct_io``) as storage options.
+``SETTINGS`` declares each one (name, keyword group, type, default, variable, check, one line
+of doc); ``Config.resolve``, the keyword groups (``mpckpt.options``), the ``Checkpointer``
+keywords and docs/guide/settings.md follow it, and tests/unit/test_settings.py keeps them equal.
+``Config`` holds the frozen settings of a Checkpointer; the two read outside it go through
+their declaration too (``progress_enabled``; ``MPCKPT_NODE_ID`` in ``_peer.node``). Each
+default is written once, as a ``DEFAULT_*`` constant or a declared one. No other module reads
+an ``MPCKPT_*`` variable: a storage backend gets its settings (``direct_io``) as storage options.
 
 The environment is passed in (``Config.resolve(..., environ=os.environ)``) so tests never
 touch the real one. Every bad value raises ``ConfigError`` naming the argument or variable
@@ -245,6 +248,10 @@ def _parse_keep(value: Any, setting: str) -> RetentionPolicy:
     return value
 
 
+def _text(value: Any, setting: str) -> str:
+    return str(value).strip()
+
+
 def _trigger(value: Any, setting: str) -> Trigger | None:
     return check_trigger(value)
 
@@ -270,7 +277,7 @@ class Setting:
     measure: Callable[[], Any] | None = None  # a default measured on this machine, in place of ``default``
     stored_as: str | None = None         # the Config field, when it is not ``name``
     keyword: bool = True                 # a Checkpointer keyword (False: a variable only)
-    in_config: bool = True               # held by Config (False: read where it is used, ``progress_enabled``)
+    in_config: bool = True               # held by Config (False: read where it is used, by ``value``)
 
     def value(self, given: Any, env: Mapping[str, str]) -> Any:
         """The argument if given, else the variable if set (and not empty), else the default."""
@@ -349,6 +356,9 @@ SETTINGS: tuple[Setting, ...] = (
             "may run", env="MPCKPT_VALIDATE_TIMEOUT_S"),
     Setting("preemption", "bool | Sequence[int | str]", _as_given, False, "off", "`True`: SIGTERM (or a "
             "list of signals) makes the next `save` a due, synchronous one"),
+    Setting("node_id", "str", _text, None, "the host name, the kernel's boot id and the device of /dev/shm",
+            "which node this process runs on, for `peer_copies` (a launcher that knows better sets it); see "
+            f"{_NODE_LOSS}", env="MPCKPT_NODE_ID", keyword=False, in_config=False),
     Setting("direct_io", "bool", _bool, DEFAULT_DIRECT_IO, "on", "local files are written with `O_DIRECT` "
             "(bypassing the page cache) where the filesystem allows it", env="MPCKPT_DIRECT_IO", keyword=False),
     Setting("progress", "bool", _bool, DEFAULT_PROGRESS, "on", "a progress bar for a load or restore lasting "

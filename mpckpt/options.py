@@ -28,20 +28,20 @@ from mpckpt.policies.triggers import Trigger
 class Memory:
     """Shared memory for snapshots: how much, what a full budget does, copying, keeping the newest."""
 
-    budget: int | str | float | None = None      # memory_budget, MPCKPT_MEMORY_BUDGET: '8GiB', bytes, 0.5
-    policy: str | BudgetPolicy | None = None     # policy, MPCKPT_POLICY: 'block', 'skip', 'coalesce'
-    overlap: bool | None = None                  # overlap, MPCKPT_OVERLAP: copy until the next optimizer.step()
-    keep: bool | None = None                     # keep_in_memory, MPCKPT_KEEP_IN_MEMORY: the newest for a restart
+    budget: int | str | float | None = None    # memory_budget: '8GiB', bytes, or a fraction such as 0.5
+    policy: str | BudgetPolicy | None = None   # 'block', 'skip' or 'coalesce'
+    overlap: bool | None = None
+    keep: bool | None = None                   # keep_in_memory: the newest snapshot stays, for a restart
 
 
 @dataclass(frozen=True, kw_only=True)
 class Uploads:
     """The uploader processes: how many, their CPU share, how they start, one file's deadline."""
 
-    workers: int | None = None                              # workers, MPCKPT_WORKERS
-    priority: str | UploaderPriority | None = None          # uploader_priority, MPCKPT_UPLOADER_PRIORITY
-    start_method: str | None = None                         # start_method, MPCKPT_START_METHOD
-    timeout_s: float | None = None                          # job_timeout_s, MPCKPT_JOB_TIMEOUT_S: one file
+    workers: int | None = None
+    priority: str | UploaderPriority | None = None   # uploader_priority: 'idle', 'low' or 'normal'
+    start_method: str | None = None
+    timeout_s: float | None = None                   # job_timeout_s: one file's upload (plus a second per MB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,7 @@ class Job:
     """Saving from several ranks: the process group, and copies in other nodes' memory."""
 
     process_group: Any = None
-    peer_copies: int | None = None                          # peer_copies, MPCKPT_PEER_COPIES
+    peer_copies: int | None = None
 
 
 GROUPS: dict[str, type] = {"memory": Memory, "uploads": Uploads, "retention": Retention, "job": Job}
