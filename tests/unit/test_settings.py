@@ -156,6 +156,22 @@ def test_the_groups_are_frozen_and_keyword_only():
         mpckpt.Uploads(2)  # type: ignore[misc]
 
 
+def test_the_pages_grouped_example_resolves_as_it_says(monkeypatch):
+    code = PAGE.read_text().split("## In groups", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    opened = {}
+
+    def opening(root, **kwargs):  # what Checkpointer.__init__ routes, without opening the root
+        groups = {k: kwargs.pop(k) for k in list(kwargs) if k in options.GROUPS}
+        opened["config"] = Config.resolve(environ={}, **options.gather(kwargs, groups))
+
+    monkeypatch.setattr(mpckpt, "Checkpointer", opening)
+    exec(code, {"mpckpt": mpckpt})
+    cfg = opened["config"]
+    assert (cfg.memory_budget_bytes, cfg.policy.value, cfg.overlap, cfg.workers, cfg.uploader_priority.value,
+            cfg.job_timeout_s, cfg.peer_copies) == (16 << 30, "skip", True, 4, "low", 600.0, 1)
+    assert cfg.keep is not None and cfg.trigger is not None
+
+
 def test_integrations_see_settings_given_in_groups():
     given = options.given_settings({"retention": mpckpt.Retention(keep_last=2), "workers": 1, "overlap": None})
     assert given == {"keep_last": 2, "workers": 1}
