@@ -20,11 +20,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from mpckpt.checkpoint import Checkpoint as Checkpoint
     from mpckpt.checkpointer import Checkpointer as Checkpointer
     from mpckpt.config import BudgetPolicy as BudgetPolicy
+    from mpckpt.config import UploaderPriority as UploaderPriority
     from mpckpt.config import UploadMode as UploadMode
     from mpckpt.data import ResumableLoader as ResumableLoader
     from mpckpt.data import ResumableSampler as ResumableSampler
     from mpckpt.data import SeededDataset as SeededDataset
     from mpckpt.loop import LoopState as LoopState
+    from mpckpt.options import Job as Job
+    from mpckpt.options import Memory as Memory
+    from mpckpt.options import Retention as Retention
+    from mpckpt.options import Uploads as Uploads
     from mpckpt.per_rank import PerRank as PerRank
     from mpckpt.policies import EveryNSeconds as EveryNSeconds
     from mpckpt.policies import EveryNSteps as EveryNSteps
@@ -44,15 +49,18 @@ __all__ = [
     "CheckpointerStats",
     "EveryNSeconds",
     "EveryNSteps",
+    "Job",
     "KeepBest",
     "KeepEvery",
     "KeepInterval",
     "KeepLast",
     "LoopState",
+    "Memory",
     "PerRank",
     "RNGState",
     "ResumableLoader",
     "ResumableSampler",
+    "Retention",
     "RetentionPolicy",
     "SaveFuture",
     "SaveResult",
@@ -60,8 +68,11 @@ __all__ = [
     "SeededDataset",
     "Trigger",
     "UploadMode",
+    "UploaderPriority",
+    "Uploads",
     "errors",
     "export_hf",
+    "init_process_group",
     "load",
     "__version__",
 ]
@@ -70,6 +81,11 @@ __version__ = "0.1.0"
 _WHERE = {
     "BudgetPolicy": "mpckpt.config",
     "UploadMode": "mpckpt.config",
+    "UploaderPriority": "mpckpt.config",
+    "Memory": "mpckpt.options",
+    "Uploads": "mpckpt.options",
+    "Retention": "mpckpt.options",
+    "Job": "mpckpt.options",
     "Checkpoint": "mpckpt.checkpoint",
     "Checkpointer": "mpckpt.checkpointer",
     "load": "mpckpt._view",

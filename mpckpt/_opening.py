@@ -16,7 +16,7 @@ import os
 import socket
 import traceback
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +26,6 @@ from mpckpt._runtime import Runtime
 from mpckpt._view import StorageView
 from mpckpt.config import Config, fit_budget_to_shm
 from mpckpt.errors import ConfigError
-from mpckpt.policies.retention import RetentionPolicy
-from mpckpt.policies.triggers import Trigger
 from mpckpt.storage import BackendSpec, open_backend, spec_for_url
 
 
@@ -42,20 +40,17 @@ class Opened:
 
 
 def open_root(owner: object, root: str | os.PathLike[str], config: Config, *,
-              storage_options: Mapping[str, Any] | None, preemption: bool | Sequence[int | str],
-              read_only: Any, process_group: Any, keep: RetentionPolicy | None, keep_last: int | None,
-              trigger: Trigger | None, validate: Callable[..., Any] | None) -> Opened:
-    """Open ``root`` for ``owner`` (the Checkpointer, which the finalizer watches).
-
-    ``keep``, ``keep_last``, ``trigger`` and ``validate`` come as the caller gave them (None:
-    not given; ``config`` may hold defaults from the environment): a read-only open refuses them.
+              storage_options: Mapping[str, Any] | None, read_only: Any) -> Opened:
+    """Open ``root`` for ``owner`` (the Checkpointer, which the finalizer watches) with the
+    settings of ``config``; a read-only open refuses those that write (none has a variable, so
+    any that is set was given).
     """
-    signals = parse_signals(preemption)
+    signals = parse_signals(config.preemption)
     spec = spec_for_url(root, dict(storage_options or {}), direct_io=config.direct_io)
     backend = open_backend(spec)
     if read_only is True:
-        options = {"keep": keep, "keep_last": keep_last, "trigger": trigger, "preemption": signals or None,
-                   "validate": validate}
+        options = {"keep": config.keep, "keep_last": config.keep_last, "trigger": config.trigger,
+                   "preemption": signals or None, "validate": config.validate}
         given = [name for name, value in options.items() if value is not None]
         if given:
             raise ConfigError(f"read_only=True with {', '.join(given)}: a read-only Checkpointer never saves "
@@ -63,11 +58,11 @@ def open_root(owner: object, root: str | os.PathLike[str], config: Config, *,
         return Opened(config, spec, StorageView(backend, config.timeout_s), None)
     if read_only is not False:
         raise ConfigError(f"read_only={read_only!r} must be True or False")
-    group = RankGroup.detect(process_group)
+    group = RankGroup.detect(config.process_group)
     if group is not None and group.world_size > 1 and getattr(backend, "process_local", False):
         raise ConfigError(f"{backend.url} lives in this process's memory, where the other ranks of the job cannot "
                           "see it; give a multi-rank job a root every rank reaches (a shared path, s3://, az://)")
-    if group is not None and validate is not None:
+    if group is not None and config.validate is not None:
         raise ConfigError("validate= is not available in a multi-rank job yet; validate the committed checkpoints "
                           "from one process (mpckpt.load(root) gives the whole state), or save from one process")
     backend.check_writable()

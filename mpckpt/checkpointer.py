@@ -46,13 +46,14 @@ from mpckpt._view import (
     load,  # noqa: F401 -- mpckpt.load, kept importable here
 )
 from mpckpt.checkpoint import Checkpoint
-from mpckpt.config import BudgetPolicy, Config, UploadMode
+from mpckpt.config import SETTINGS, BudgetPolicy, Config, UploaderPriority, UploadMode
 from mpckpt.errors import (
     ConfigError,
     MpckptError,
     StepOrderError,
     add_note,
 )
+from mpckpt.options import GROUPS, Job, Memory, Retention, Uploads, gather
 from mpckpt.policies.retention import RetentionPolicy
 from mpckpt.policies.triggers import Trigger
 
@@ -60,28 +61,28 @@ log = logging.getLogger("mpckpt")
 
 
 class Checkpointer:
-    """Asynchronous checkpoints of a training state into ``root`` (a path or URL)."""
+    """Asynchronous checkpoints of a training state into ``root`` (a path or URL). Settings (declared in
+    ``config.SETTINGS``) come grouped, ``memory=Memory(budget="8GiB")``, or as flat keywords,
+    ``memory_budget="8GiB"``; one given both ways with different values is a ``ConfigError``."""
 
     def __init__(
         self, root: str | os.PathLike[str], *,
-        memory_budget: int | str | float | None = None, workers: int | None = None,   # the budget, the uploaders
-        policy: str | BudgetPolicy | None = None, overlap: bool | None = None,
-        keep_last: int | None = None, keep: RetentionPolicy | None = None, trigger: Trigger | None = None,
-        allow_pickle: bool = False, timeout_s: float | None = None, job_timeout_s: float | None = None,
-        storage_options: Mapping[str, Any] | None = None, start_method: str | None = None,
-        environ: Mapping[str, str] | None = None, preemption: bool | Sequence[int | str] = False,
+        memory: Memory | None = None, uploads: Uploads | None = None, retention: Retention | None = None,
+        job: Job | None = None,   # the groups; each of their fields is also a flat keyword (a shorthand):
+        memory_budget: int | str | float | None = None, policy: str | BudgetPolicy | None = None,
+        overlap: bool | None = None, keep_in_memory: bool | None = None, workers: int | None = None,
+        uploader_priority: str | UploaderPriority | None = None, start_method: str | None = None,
+        job_timeout_s: float | None = None, keep_last: int | None = None, keep: RetentionPolicy | None = None,
+        trigger: Trigger | None = None, process_group: Any = None, peer_copies: int | None = None,
+        timeout_s: float | None = None, allow_pickle: bool = False, preemption: bool | Sequence[int | str] = False,
         validate: Callable[[Checkpoint], Mapping[str, float]] | None = None, validate_timeout_s: float | None = None,
-        read_only: bool = False, process_group: Any = None, uploader_priority: str | None = None,
-        keep_in_memory: bool | None = None, peer_copies: int | None = None,
+        storage_options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+        read_only: bool = False,
     ) -> None:
-        self.config = Config.resolve(
-            memory_budget=memory_budget, workers=workers, policy=policy, overlap=overlap, allow_pickle=allow_pickle,
-            keep_last=keep_last, keep=keep, trigger=trigger, timeout_s=timeout_s, job_timeout_s=job_timeout_s,
-            start_method=start_method, validate=validate, validate_timeout_s=validate_timeout_s, environ=environ,
-            uploader_priority=uploader_priority, keep_in_memory=keep_in_memory, peer_copies=peer_copies)
-        opened = open_root(self, root, self.config, storage_options=storage_options, preemption=preemption,
-                           read_only=read_only, process_group=process_group, keep=keep, keep_last=keep_last,
-                           trigger=trigger, validate=validate)
+        args = locals()  # INVARIANT: every declared keyword is a parameter (tests/unit/test_settings.py)
+        given = gather({s.name: args[s.name] for s in SETTINGS if s.keyword}, {g: args[g] for g in GROUPS})
+        opened = open_root(self, root, Config.resolve(environ=environ, **given), storage_options=storage_options,
+                           read_only=read_only)
         self.config, self._spec = opened.config, opened.spec  # writing: the budget fitted to /dev/shm
         # the runtime never refers back to this Checkpointer: an unclosed one nobody holds is finalized
         self._rt: Runtime | StorageView = opened.runtime

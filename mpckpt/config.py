@@ -1,9 +1,12 @@
-"""Every setting of mpckpt and where each comes from: argument > MPCKPT_* > default.
+"""Every setting of mpckpt, declared once, and where each comes from: argument > MPCKPT_* > default.
 
-``Config`` holds the frozen settings of a Checkpointer; ``progress_enabled`` answers the one
-setting read outside it (progress bars while loading). Each default is written once, as a
-``DEFAULT_*`` constant. No other module reads an ``MPCKPT_*`` variable: a storage backend
-gets its settings (``direct_io``) as storage options.
+``SETTINGS`` declares each one (name, keyword group, type, default, variable, check, one line
+of doc); ``Config.resolve``, the keyword groups (``mpckpt.options``), the ``Checkpointer``
+keywords and docs/guide/settings.md follow it, and tests/unit/test_settings.py keeps them equal.
+``Config`` holds the frozen settings of a Checkpointer; the two read outside it go through
+their declaration too (``progress_enabled``; ``MPCKPT_NODE_ID`` in ``_peer.node``). Each
+default is written once, as a ``DEFAULT_*`` constant or a declared one. No other module reads
+an ``MPCKPT_*`` variable: a storage backend gets its settings (``direct_io``) as storage options.
 
 The environment is passed in (``Config.resolve(..., environ=os.environ)``) so tests never
 touch the real one. Every bad value raises ``ConfigError`` naming the argument or variable
@@ -23,7 +26,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,7 +201,7 @@ def _parse_enum(enum_type: type[enum.Enum], value: Any, *, setting: str) -> Any:
         raise ConfigError(f"{setting}={value!r} is not one of {choices}") from None
 
 
-def _parse_priority(value: Any, *, setting: str) -> UploaderPriority:
+def _parse_priority(value: Any, setting: str) -> UploaderPriority:
     try:
         return UploaderPriority(value if isinstance(value, UploaderPriority) else str(value).strip().lower())
     except ValueError:
@@ -218,39 +221,186 @@ def _parse_bool(value: Any, *, setting: str) -> bool:
     raise ConfigError(f"{setting}={value!r} is not a boolean; use 1/0, true/false")
 
 
+def _parse_budget(value: Any, setting: str) -> int:
+    budget = parse_bytes(value, setting=setting)
+    if budget < MIN_BUDGET_BYTES:
+        raise ConfigError(f"{setting}={value!r} is below the 1MiB minimum; give at least '1MiB'")
+    return budget
+
+
+def _parse_start_method(value: Any, setting: str) -> str:
+    if str(value) not in START_METHODS:
+        raise ConfigError(f"{setting}={value!r} is not one of {', '.join(map(repr, START_METHODS))}")
+    return str(value)
+
+
+def _parse_callable(value: Any, setting: str) -> Any:
+    if not callable(value):
+        raise ConfigError(f"{setting}={value!r} is not callable; give a function fn(checkpoint) -> dict of "
+                          "metric names to numbers")
+    return value
+
+
+def _parse_keep(value: Any, setting: str) -> RetentionPolicy:
+    if not isinstance(value, RetentionPolicy):
+        raise ConfigError(f"{setting}={value!r} is not a retention policy; give one such as mpckpt.KeepLast(3), "
+                          "or several combined with |: mpckpt.KeepLast(3) | mpckpt.KeepBest(1, 'val_loss')")
+    return value
+
+
+def _text(value: Any, setting: str) -> str:
+    return str(value).strip()
+
+
+def _trigger(value: Any, setting: str) -> Trigger | None:
+    return check_trigger(value)
+
+
+def _as_given(value: Any, setting: str) -> Any:
+    return value  # checked where the root opens: preemption by parse_signals, process_group by RankGroup
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting, declared once: ``Config.resolve``, the keyword groups (``mpckpt.options``), the
+    ``Checkpointer`` keywords and the settings page (docs/guide/settings.md, checked by a test) read it."""
+
+    name: str                            # the Checkpointer keyword (and the Config field, unless ``stored_as``)
+    type: str                            # what a caller gives (the keyword's annotation, less ``| None``)
+    parse: Callable[[Any, str], Any]     # (raw value, the name to blame) -> the value, or ConfigError
+    default: Any                         # when neither an argument nor the variable gives one
+    default_doc: str                     # the default, as the settings page says it
+    doc: str                             # one line for the settings page (markdown)
+    env: str | None = None               # the MPCKPT_* variable, if any
+    group: str | None = None             # the keyword group (``memory=mpckpt.Memory(...)``), None: top level
+    field: str | None = None             # its name inside the group
+    measure: Callable[[], Any] | None = None  # a default measured on this machine, in place of ``default``
+    stored_as: str | None = None         # the Config field, when it is not ``name``
+    keyword: bool = True                 # a Checkpointer keyword (False: a variable only)
+    in_config: bool = True               # held by Config (False: read where it is used, by ``value``)
+
+    def value(self, given: Any, env: Mapping[str, str]) -> Any:
+        """The argument if given, else the variable if set (and not empty), else the default."""
+        if given is not None:
+            return self.parse(given, self.name)
+        raw = env.get(self.env) if self.env else None
+        if raw not in (None, ""):
+            return self.parse(raw, self.env or self.name)
+        return self.measure() if self.measure is not None else self.default
+
+
+def _int_in(low: int, high: int) -> Callable[[Any, str], int]:
+    return lambda value, setting: _parse_int(value, setting=setting, low=low, high=high)
+
+
+def _float(value: Any, setting: str) -> float:
+    return _parse_float(value, setting=setting)
+
+
+def _bool(value: Any, setting: str) -> bool:
+    return _parse_bool(value, setting=setting)
+
+
+def _enum(kind: type[enum.Enum]) -> Callable[[Any, str], Any]:
+    return lambda value, setting: _parse_enum(kind, value, setting=setting)
+
+
+_PRIORITY = "[Priority](saving.md#priority-training-speed-against-work-a-crash-loses)"
+_RESTART = "[Restarting from memory after a crash](restoring.md#restarting-from-memory-after-a-crash)"
+_NODE_LOSS = "[Surviving a node loss](jobs-and-nodes.md#surviving-a-node-loss)"
+
+# INVARIANT: every setting is declared here, once; its order is the settings page's.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("memory_budget", "int | str | float", _parse_budget, None, "half of available memory, capped by "
+            "/dev/shm and the cgroup limit", "shared memory for every snapshot in flight: bytes, `'8GiB'`, or a "
+            "fraction of available memory such as `0.5`", env="MPCKPT_MEMORY_BUDGET", group="memory",
+            field="budget", measure=default_budget_bytes, stored_as="memory_budget_bytes"),
+    Setting("policy", "str | BudgetPolicy", _enum(BudgetPolicy), DEFAULT_POLICY, "`block`", "what `save` does "
+            "when the budget is full: `block` (wait), `skip` (drop this one) or `coalesce` (replace a pending one)",
+            env="MPCKPT_POLICY", group="memory", field="policy"),
+    Setting("overlap", "bool", _bool, DEFAULT_OVERLAP, "off", "copy parameters and optimizer state in the "
+            "background until the next `optimizer.step()`", env="MPCKPT_OVERLAP", group="memory", field="overlap"),
+    Setting("keep_in_memory", "bool", _bool, DEFAULT_KEEP_IN_MEMORY, "on", "the newest complete snapshot stays in "
+            f"shared memory for a restart on this node; see {_RESTART}", env="MPCKPT_KEEP_IN_MEMORY",
+            group="memory", field="keep"),
+    Setting("workers", "int", _int_in(1, MAX_WORKERS), DEFAULT_WORKERS, "2", "uploader processes (1-64)",
+            env="MPCKPT_WORKERS", group="uploads", field="workers"),
+    Setting("uploader_priority", "str | UploaderPriority", _parse_priority, DEFAULT_UPLOADER_PRIORITY,
+            "`idle`", f"how uploaders share the CPU with training: `idle`, `low` or `normal`; see {_PRIORITY}",
+            env="MPCKPT_UPLOADER_PRIORITY", group="uploads", field="priority"),
+    Setting("start_method", "str", _parse_start_method, DEFAULT_START_METHOD, "`forkserver`", "how uploader "
+            "processes start: `forkserver`, `spawn` or `fork`; see [Uploader processes](saving.md#how-they-start)",
+            env="MPCKPT_START_METHOD", group="uploads", field="start_method"),
+    Setting("job_timeout_s", "float", _float, DEFAULT_JOB_TIMEOUT_S, "300", "the deadline of one file's upload, "
+            "plus a second per MB", env="MPCKPT_JOB_TIMEOUT_S", group="uploads", field="timeout_s"),
+    Setting("keep_last", "int", _int_in(1, 1 << 31), None, "keep every checkpoint", "keep the newest N committed "
+            "checkpoints (with `keep`, what either keeps stays)", group="retention", field="keep_last"),
+    Setting("keep", "RetentionPolicy", _parse_keep, None, "no policy", "a retention policy: `KeepLast(3) | "
+            "KeepBest(2, 'val_loss') | KeepEvery(10_000)`", group="retention", field="keep"),
+    Setting("trigger", "Trigger", _trigger, None, "none: every `save` saves", "when a save is due: "
+            "`EveryNSteps(500) | EveryNSeconds(1800)` (`save(..., force=True)` saves regardless)",
+            group="retention", field="trigger"),
+    Setting("process_group", "Any", _as_given, None, "the default group when torch.distributed is initialized, "
+            "else none", "the ranks that save together; `False`: this process alone", group="job",
+            field="process_group"),
+    Setting("peer_copies", "int", _int_in(0, MAX_PEER_COPIES), DEFAULT_PEER_COPIES, "0", "copies of each rank's "
+            f"kept snapshot in other nodes' memory (0-8; needs `keep_in_memory`); see {_NODE_LOSS}",
+            env="MPCKPT_PEER_COPIES", group="job", field="peer_copies"),
+    Setting("timeout_s", "float", _float, DEFAULT_TIMEOUT_S, "3600", "the longest any wait may take",
+            env="MPCKPT_TIMEOUT_S"),
+    Setting("allow_pickle", "bool", _bool, False, "off", "values JSON cannot hold are pickled, and loading "
+            "unpickles them (run code from storage only if you trust it)"),
+    Setting("validate", "Callable[[Checkpoint], Mapping[str, float]]", _parse_callable, None, "none",
+            "`fn(checkpoint) -> {name: number}` after each commit, in a process of its own"),
+    Setting("validate_timeout_s", "float", _float, DEFAULT_VALIDATE_TIMEOUT_S, "3600", "the longest one validation "
+            "may run", env="MPCKPT_VALIDATE_TIMEOUT_S"),
+    Setting("preemption", "bool | Sequence[int | str]", _as_given, False, "off", "`True`: SIGTERM (or a "
+            "list of signals) makes the next `save` a due, synchronous one"),
+    Setting("node_id", "str", _text, None, "the host name, the kernel's boot id and the device of /dev/shm",
+            "which node this process runs on, for `peer_copies` (a launcher that knows better sets it); see "
+            f"{_NODE_LOSS}", env="MPCKPT_NODE_ID", keyword=False, in_config=False),
+    Setting("direct_io", "bool", _bool, DEFAULT_DIRECT_IO, "on", "local files are written with `O_DIRECT` "
+            "(bypassing the page cache) where the filesystem allows it", env="MPCKPT_DIRECT_IO", keyword=False),
+    Setting("progress", "bool", _bool, DEFAULT_PROGRESS, "on", "a progress bar for a load or restore lasting "
+            "more than a second, only when stderr is a terminal, rank 0 only", env="MPCKPT_PROGRESS",
+            keyword=False, in_config=False),
+)
+SETTING = {s.name: s for s in SETTINGS}
+
+
 def progress_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether loading may show a progress bar: ``MPCKPT_PROGRESS`` (default on).
 
     The caller still shows none when stderr is not a terminal.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get("MPCKPT_PROGRESS")
-    return DEFAULT_PROGRESS if raw in (None, "") else _parse_bool(raw, setting="MPCKPT_PROGRESS")
+    return bool(SETTING["progress"].value(None, os.environ if environ is None else environ))
 
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a Checkpointer needs to know, validated."""
+    """Everything a Checkpointer needs to know, validated (``resolve``: the declared ``SETTINGS``)."""
 
     memory_budget_bytes: int
     workers: int
-    policy: BudgetPolicy = DEFAULT_POLICY
-    overlap: bool = DEFAULT_OVERLAP
-    allow_pickle: bool = False
-    keep_last: int | None = None
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    policy: BudgetPolicy
+    overlap: bool
+    allow_pickle: bool
+    keep_last: int | None
+    timeout_s: float
+    start_method: str
+    uploader_priority: UploaderPriority
+    job_timeout_s: float
+    direct_io: bool  # asked for; the local backend also needs os.O_DIRECT
+    keep: RetentionPolicy | None
+    trigger: Trigger | None
+    validate: Any  # fn(Checkpoint) -> {name: number}, run in the validator process after each commit
+    validate_timeout_s: float
+    keep_in_memory: bool
+    peer_copies: int  # copies of each rank's kept snapshot in other nodes' memory
+    preemption: bool | Sequence[int | str]  # parsed into signals when the root opens
+    process_group: Any  # None: the default group if torch.distributed is initialized; False: none
     max_job_attempts: int = DEFAULT_MAX_JOB_ATTEMPTS
-    start_method: str = DEFAULT_START_METHOD
     nice: int = DEFAULT_NICE  # the validator process's
-    uploader_priority: UploaderPriority = DEFAULT_UPLOADER_PRIORITY
-    job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
-    direct_io: bool = DEFAULT_DIRECT_IO  # asked for; the local backend also needs os.O_DIRECT
-    keep: RetentionPolicy | None = None
-    trigger: Trigger | None = None
-    validate: Any = None  # fn(Checkpoint) -> {name: number}, run in the validator process after each commit
-    validate_timeout_s: float = DEFAULT_VALIDATE_TIMEOUT_S
-    keep_in_memory: bool = DEFAULT_KEEP_IN_MEMORY
-    peer_copies: int = DEFAULT_PEER_COPIES  # copies of each rank's kept snapshot in other nodes' memory
 
     @property
     def retention(self) -> RetentionPolicy | None:
@@ -264,98 +414,20 @@ class Config:
         return self.job_timeout_s + nbytes / 1e6
 
     @classmethod
-    def resolve(
-        cls,
-        *,
-        memory_budget: Any = None,
-        workers: Any = None,
-        policy: Any = None,
-        overlap: Any = None,
-        allow_pickle: bool = False,
-        keep_last: Any = None,
-        timeout_s: Any = None,
-        job_timeout_s: Any = None,
-        start_method: Any = None,
-        direct_io: Any = None,
-        keep: Any = None,
-        trigger: Any = None,
-        validate: Any = None,
-        validate_timeout_s: Any = None,
-        uploader_priority: Any = None,
-        keep_in_memory: Any = None,
-        peer_copies: Any = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Config:
-        """Combine arguments with ``MPCKPT_*`` variables; arguments win."""
+    def resolve(cls, *, environ: Mapping[str, str] | None = None, **given: Any) -> Config:
+        """Each declared setting from ``given`` (by name; None: not given), else its ``MPCKPT_*``
+        variable in ``environ`` (default: ``os.environ``), else its default."""
         env = os.environ if environ is None else environ
-
-        def pick(arg: Any, var: str) -> tuple[Any, str]:
-            """The raw value and the name to blame for it: the argument if given, else the variable."""
-            if arg is not None:
-                return arg, var.removeprefix("MPCKPT_").lower()
-            return env.get(var), var
-
-        raw, name = pick(memory_budget, "MPCKPT_MEMORY_BUDGET")
-        if raw is None or raw == "":
-            budget = default_budget_bytes()
-        else:
-            budget = parse_bytes(raw, setting=name)
-            if budget < MIN_BUDGET_BYTES:
-                raise ConfigError(f"{name}={raw!r} is below the 1MiB minimum; give at least '1MiB'")
-        raw, name = pick(workers, "MPCKPT_WORKERS")
-        n_workers = DEFAULT_WORKERS if raw in (None, "") else _parse_int(raw, setting=name, low=1, high=MAX_WORKERS)
-        raw, name = pick(policy, "MPCKPT_POLICY")
-        chosen_policy = DEFAULT_POLICY if raw in (None, "") else _parse_enum(BudgetPolicy, raw, setting=name)
-        raw, name = pick(overlap, "MPCKPT_OVERLAP")
-        use_overlap = DEFAULT_OVERLAP if raw in (None, "") else _parse_bool(raw, setting=name)
-        raw, name = pick(timeout_s, "MPCKPT_TIMEOUT_S")
-        timeout = DEFAULT_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
-        raw, name = pick(job_timeout_s, "MPCKPT_JOB_TIMEOUT_S")
-        job_timeout = DEFAULT_JOB_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
-        raw, name = pick(start_method, "MPCKPT_START_METHOD")
-        method = DEFAULT_START_METHOD if raw in (None, "") else str(raw)
-        if method not in START_METHODS:
-            raise ConfigError(f"{name}={raw!r} is not one of {', '.join(map(repr, START_METHODS))}")
-        raw, name = pick(direct_io, "MPCKPT_DIRECT_IO")
-        use_direct_io = DEFAULT_DIRECT_IO if raw in (None, "") else _parse_bool(raw, setting=name)
-        raw, name = pick(uploader_priority, "MPCKPT_UPLOADER_PRIORITY")
-        priority = DEFAULT_UPLOADER_PRIORITY if raw in (None, "") else _parse_priority(raw, setting=name)
-        raw, name = pick(validate_timeout_s, "MPCKPT_VALIDATE_TIMEOUT_S")
-        validate_timeout = DEFAULT_VALIDATE_TIMEOUT_S if raw in (None, "") else _parse_float(raw, setting=name)
-        raw, name = pick(keep_in_memory, "MPCKPT_KEEP_IN_MEMORY")
-        keeping = DEFAULT_KEEP_IN_MEMORY if raw in (None, "") else _parse_bool(raw, setting=name)
-        raw, name = pick(peer_copies, "MPCKPT_PEER_COPIES")
-        copies = DEFAULT_PEER_COPIES if raw in (None, "") else _parse_int(raw, setting=name, low=0,
-                                                                          high=MAX_PEER_COPIES)
-        if copies and not keeping:
-            raise ConfigError(f"{name}={raw!r} copies the snapshot kept in memory to other nodes, but keep_in_memory "
-                              "is off; turn keep_in_memory on (MPCKPT_KEEP_IN_MEMORY=1) or set peer_copies to 0")
-        if validate is not None and not callable(validate):
-            raise ConfigError(f"validate={validate!r} is not callable; give a function fn(checkpoint) -> dict of "
-                              "metric names to numbers")
-        last = None if keep_last is None else _parse_int(keep_last, setting="keep_last", low=1, high=1 << 31)
-        if keep is not None and not isinstance(keep, RetentionPolicy):
-            raise ConfigError(f"keep={keep!r} is not a retention policy; give one such as mpckpt.KeepLast(3), "
-                              "or several combined with |: mpckpt.KeepLast(3) | mpckpt.KeepBest(1, 'val_loss')")
-        return cls(
-            memory_budget_bytes=budget,
-            workers=n_workers,
-            policy=chosen_policy,
-            overlap=use_overlap,
-            allow_pickle=bool(allow_pickle),
-            keep_last=last,
-            keep=keep,
-            trigger=check_trigger(trigger),
-            validate=validate,
-            validate_timeout_s=validate_timeout,
-            timeout_s=timeout,
-            job_timeout_s=job_timeout,
-            start_method=method,
-            direct_io=use_direct_io,
-            uploader_priority=priority,
-            keep_in_memory=keeping,
-            peer_copies=copies,
-        )
+        unknown = sorted(set(given) - {s.name for s in SETTINGS if s.in_config})
+        if unknown:
+            raise ConfigError(f"unknown setting {', '.join(unknown)}; the settings are "
+                              f"{', '.join(s.name for s in SETTINGS if s.keyword)} (docs/guide/settings.md)")
+        values = {s.stored_as or s.name: s.value(given.get(s.name), env) for s in SETTINGS if s.in_config}
+        if values["peer_copies"] and not values["keep_in_memory"]:
+            raise ConfigError(f"peer_copies={values['peer_copies']} copies the snapshot kept in memory to other "
+                              "nodes, but keep_in_memory is off; turn keep_in_memory on (MPCKPT_KEEP_IN_MEMORY=1) "
+                              "or set peer_copies to 0")
+        return cls(**values)
 
 
 def fit_budget_to_shm(config: Config) -> Config:

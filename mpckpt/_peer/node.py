@@ -28,14 +28,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mpckpt._system.shm import SHM_DIR
+from mpckpt.config import SETTING
 
-NODE_ID_VARIABLE = "MPCKPT_NODE_ID"
+NODE_ID_VARIABLE = SETTING["node_id"].env
 
 
 def node_id(environ: Mapping[str, str] | None = None) -> str:
     """This process's node (see the module docstring)."""
     env = os.environ if environ is None else environ
-    given = env.get(NODE_ID_VARIABLE, "").strip()
+    given = SETTING["node_id"].value(None, env)  # declared in config.SETTINGS
     if given:
         return given
     try:

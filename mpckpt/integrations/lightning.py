@@ -72,6 +72,7 @@ from mpckpt.errors import (  # noqa: E402
 )
 from mpckpt.integrations import lightning_files as files  # noqa: E402
 from mpckpt.integrations.lightning_files import Candidate, read_pointer  # noqa: E402
+from mpckpt.options import given_settings  # noqa: E402
 
 __all__ = ["MpckptCheckpointIO", "read_pointer"]
 
@@ -118,13 +119,15 @@ class MpckptCheckpointIO(CheckpointIO):
     ``root``: where the checkpoints go (a folder or URL); default: a root per checkpoint folder,
     beside it (``<dirpath>.mpckpt``; ``<dirpath>/.mpckpt`` when an earlier mpckpt saved there).
     Every other keyword goes to ``mpckpt.Checkpointer`` (``memory_budget``, ``workers``,
-    ``overlap``, ``storage_options``, ``allow_pickle``, ``timeout_s`` ...); ``keep``,
-    ``keep_last``, ``trigger``, ``read_only`` and ``process_group`` are refused: Lightning's
-    ``ModelCheckpoint`` decides what to keep and when to save, and the plugin who saves.
+    ``overlap``, ``storage_options``, ``allow_pickle``, ``timeout_s``, ``memory=`` ...); ``keep``,
+    ``keep_last``, ``trigger``, ``read_only`` and ``process_group`` are refused, flat or in a group
+    (``retention=``, ``job=``): Lightning's ``ModelCheckpoint`` decides what to keep and when to
+    save, and the plugin who saves.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, **checkpointer_options: Any) -> None:
-        refused = [name for name in _REFUSED if name in checkpointer_options]
+        given = given_settings(checkpointer_options)  # the groups (retention=, job=) spread into settings
+        refused = [name for name in _REFUSED if name in checkpointer_options or name in given]
         if refused:
             raise ConfigError(f"MpckptCheckpointIO does not take {', '.join(refused)}: ModelCheckpoint(save_top_k=..., "
                               "every_n_train_steps=...) decides what to keep and when to save, and Lightning which "

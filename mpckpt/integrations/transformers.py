@@ -92,6 +92,7 @@ import mpckpt
 from mpckpt.config import UploadMode
 from mpckpt.errors import ConfigError, MpckptError, StateError, StepOrderError
 from mpckpt.integrations import require
+from mpckpt.options import given_settings
 
 _transformers = require("transformers", "transformers")
 
@@ -195,12 +196,14 @@ class MpckptCallback(TrainerCallback):  # type: ignore[misc]
         self._prepared = False
         if args.should_save and self.checkpointer is None:
             options = dict(self.options)
-            if "keep" not in options and "keep_last" not in options:
+            given = given_settings(options)  # the groups (retention=, job=) spread into settings
+            if "keep" not in given and "keep_last" not in given:
                 keep = retention_of(args)
                 if keep is not None:
                     options["keep"] = keep
             if args.world_size > 1:
-                options.setdefault("process_group", False)  # rank 0 saves alone, as the Trainer does
+                if "process_group" not in given and "process_group" not in options:
+                    options["process_group"] = False  # rank 0 saves alone, as the Trainer does
             root = self.root if self.root is not None else default_root(str(args.output_dir))
             self.checkpointer = mpckpt.Checkpointer(root, **options)
             try:

@@ -347,6 +347,13 @@ def test_failures_surface(tmp_path: Path) -> None:
         MpckptCheckpointIO(keep_last=2)
 
 
+def test_what_lightning_decides_is_refused_in_a_group_too() -> None:
+    with pytest.raises(mpckpt.errors.ConfigError, match="does not take keep_last, trigger"):
+        MpckptCheckpointIO(retention=mpckpt.Retention(keep_last=2, trigger=mpckpt.EveryNSteps(3)))
+    with pytest.raises(mpckpt.errors.ConfigError, match="does not take process_group"):
+        MpckptCheckpointIO(job=mpckpt.Job(process_group=False), memory=mpckpt.Memory(budget="64MiB"))
+
+
 def _ddp_job(dirpath: str) -> None:
     """Two CPU processes (Lightning relaunches this script for rank 1): fit, then resume from last."""
     torch.manual_seed(0)

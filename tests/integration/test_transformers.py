@@ -267,6 +267,16 @@ def test_save_total_limit_keeps_the_newest(tmp_path: Path) -> None:
     assert hf_folders(t) == [8, 10]  # the Trainer's rotation of its folders
 
 
+def test_a_retention_group_wins_over_save_total_limit_as_keep_last_does(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    # trainer_folders=False: no folder being written holds a checkpoint that retention would delete
+    callback = MpckptCallback(root, trainer_folders=False, uploads=mpckpt.Uploads(workers=1),
+                              retention=mpckpt.Retention(keep_last=1))
+    trainer(tmp_path, [callback], save_steps=2, save_total_limit=3).train()
+    with mpckpt.Checkpointer(root, read_only=True) as ckpt:
+        assert ckpt.steps() == [MAX_STEPS]  # its own, not also the Trainer's three
+
+
 def test_load_best_model_at_end_matches_the_trainer(tmp_path: Path) -> None:
     extra: dict[str, Any] = dict(eval_strategy="steps", eval_steps=2, save_steps=2, save_total_limit=1,
                                  load_best_model_at_end=True, metric_for_best_model="eval_loss",

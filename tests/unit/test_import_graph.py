@@ -33,7 +33,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mpckpt"
 # design does not (parts of one layer that must not know each other).
 LAYERS: list[tuple[str, ...]] = [
     ("mpckpt.errors", "mpckpt._dtypes", "mpckpt.per_rank", "mpckpt.format", "mpckpt.storage", "mpckpt.config",
-     "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
+     "mpckpt.options", "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
      "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system", "mpckpt._ledger"),
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
