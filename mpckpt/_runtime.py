@@ -248,7 +248,9 @@ class Runtime(ReadsCommitted):
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
-        """Retention keeps ``step`` while this process reads it (``load``, ``restore``)."""
+        """Retention keeps ``step`` while this process reads it (``load``, ``restore``); when the
+        last reader lets go, retention is applied again (a commit meanwhile may have left it only
+        because it was read, and no later commit may come)."""
         if step is None or self.committer is None:
             yield
             return
@@ -261,8 +263,11 @@ class Runtime(ReadsCommitted):
         finally:
             with self._reading_lock:
                 self._reading[step] -= 1
-                if not self._reading[step]:
+                last = not self._reading[step]
+                if last:
                     del self._reading[step]
+            if last and not self.closed:
+                self.committer.reapply_retention(step)
 
     def _in_use(self) -> set[int]:
         """Steps retention must keep for now: being read here, or awaiting or failing validation."""

@@ -48,6 +48,9 @@ def test_one_process_saves_reads_and_holds_through_the_seams(tmp_path: Path) -> 
             assert ckpt.steps() == [3, 4], "retention (keep_last=1) deleted a step held for reading"
             source = extension.source_of(ckpt.checkpoint(3))
             assert_same(extension.load_tree(source, allow_pickle=False), _state(3))
+        assert ckpt.steps() == [4], "the step held for reading outlived its hold (retention ran only at commits)"
+        ckpt.wait()
+        assert not (root / "step_0000000003").exists()
         ckpt.save(5, _state(5))
         ckpt.wait()
         assert ckpt.steps() == [5]
