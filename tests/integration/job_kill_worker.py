@@ -21,8 +21,8 @@ What it writes under ``OUT/rank<r>/`` for the test:
 
 ``--kill-rank R --kill-step S --moment M`` (attempt 0 only): rank R SIGKILLs itself at step S
 
-``forward``       in the middle of the forward (a hook on the first layer): the others block in S's
-                  gradient reduction;
+``forward``       in the middle of the forward (a hook on the first layer), once every other rank's
+                  trace says ``saved S - 1`` (bounded wait): the others block in S's gradient reduction;
 ``before_optim``  after S's backward, before its optimizer step, once every other rank's trace says
                   ``saved S`` (bounded wait): the others hold S, this rank only S - 1;
 ``in_save``       inside ``save(S)``, once every other rank saved S: a watcher thread started just before
@@ -155,8 +155,8 @@ class Kill:
             first.register_forward_hook(self._forward_hook)
 
     def _forward_hook(self, *_: Any) -> None:
-        if self.current == self.step:
-            die(self.files, "forward", self.step)
+        if self.current == self.step:  # once the others saved S - 1: the case's newest step held by all
+            die(self.files, "forward", self.step, others_saved=self.files.others_saved(self.step - 1))
 
     def after_backward(self, step: int) -> None:
         if step == self.step and self.moment in ("before_optim", "in_save", "after_save"):

@@ -64,13 +64,16 @@ def test_lose_kills_every_process_and_memory_of_a_node(tmp_path: Path) -> None:
                    poll_s=0.05)
         lost, kept = cluster.nodes
         held = json.loads((tmp_path / "held-r0.json").read_text())
-        on_lost = set(lost.pids())
-        assert {held["pid"], held["child"], job.agents[0].pid} <= on_lost
+        on_lost = {p: _started(p) for p in lost.pids()}  # a pid is a process only with its start time
+        assert {held["pid"], held["child"], job.agents[0].pid} <= on_lost.keys()
         assert "probe-r0" in lost.shm_listing() and "probe-r1" in kept.shm_listing()
 
         lost.lose()
         assert not lost.alive and lost.pids() == []
-        assert not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in on_lost)
+        # the kernel takes them down after lose() killed the node's init: bounded, and a pid reused
+        # meanwhile by another test's process is not one of them
+        wait_until(lambda: not any(_started(p) == t and _state(p) != "Z" for p, t in on_lost.items()), 30,
+                   "every process of the lost node gone")
         assert job.agents[0].poll() is not None  # reaped by lose()
         assert "probe-r1" in kept.shm_listing()
 
@@ -80,6 +83,13 @@ def test_lose_kills_every_process_and_memory_of_a_node(tmp_path: Path) -> None:
         assert job.wait(JOB_TIMEOUT_S)[1] != 0, job.logs()  # its worker's gloo peer is gone
         print(f"the surviving agent ended {time.monotonic() - start:.1f} s after the loss")
     assert [n.pids() for n in cluster.nodes] == [[], []]  # the survivor's orphaned child went with the cluster
+
+
+def _started(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return "gone"
 
 
 def _state(pid: int) -> str:
