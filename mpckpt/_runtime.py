@@ -19,9 +19,11 @@ Nothing it starts stands between the open and a restored model: the uploaders st
 background (the first call that needs them waits, bounded, and raises why they could not:
 ``_uploaders_ready``), and a restore's shared memory is made in a thread (``prepare``).
 
-In a multi-rank job (``group``) every rank holds all of that except the writer lock, which
-rank 0 takes in the collective open (``_opening_job``); the committer commits through the
-job's store (``_commit.ranked.StoreCoordinator``) and only rank 0 deletes.
+One process or a job, it is wired the same way around its ``group`` (a single process is a
+group of one, ``_dist.group``): rank 0 holds the writer lock it took at the open
+(``_opening.take_root``), every rank the rest; only rank 0 deletes. Where a job differs,
+``group.alone`` says so once each: a rank saves its part of a checkpoint and commits it with
+the others through the job's store (``_join``); it waits longer (``wait_s``).
 
 A read-only Checkpointer holds none of that: ``_view.StorageView`` answers its questions
 by looking at the root anew each time (another process writes there).
@@ -44,6 +46,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mpckpt._commit.committer import Committer
@@ -65,8 +68,8 @@ from mpckpt._threads import Thread
 from mpckpt._upload.directory import DirectoryUploads
 from mpckpt._upload.pool import UploaderPool
 from mpckpt._view import ReadsCommitted
-from mpckpt._writer_lock import acquire_writer_lock, release_writer_lock
-from mpckpt.catalog import Recovered, read_manifest, recover
+from mpckpt._writer_lock import release_writer_lock
+from mpckpt.catalog import read_manifest
 from mpckpt.config import Config, UploadMode
 from mpckpt.errors import CheckpointNotFoundError, ConfigError
 from mpckpt.format.manifest import Manifest
@@ -75,13 +78,23 @@ from mpckpt.policies.triggers import Schedule
 from mpckpt.storage import Backend, BackendSpec
 from mpckpt.storage.base import WriterLock
 
-if TYPE_CHECKING:  # validate= and a job's opening and commits are imported when used, not at every open
+if TYPE_CHECKING:  # validate= and a job's commits and tier are imported when used, not at every open
     from mpckpt._commit.validation import Validator
     from mpckpt._peer.tier import JobTier
 
 log = logging.getLogger("mpckpt")
 
 UPLOADERS_HELD_S = 5.0  # most an open's uploaders wait for a restore to read (their start slows it on few cores)
+
+
+@dataclass
+class Taken:
+    """What rank 0 found when it took the root (``_opening.take_root``), as every rank learns it."""
+
+    token: str | None  # a job's run token (staging folders, store keys); None for a single process
+    committed: dict[int, Manifest]
+    damaged: dict[int, Exception] = field(default_factory=dict)
+    lock: WriterLock | None = None  # rank 0's writer lock
 
 
 class Runtime(ReadsCommitted):
@@ -95,8 +108,11 @@ class Runtime(ReadsCommitted):
     read_only = False
 
     def __init__(self, config: Config, spec: BackendSpec, backend: Backend, *, environ: dict[str, str],
-                 owner: str, where: str, pin: bool, preemption: PreemptionWatch,
-                 group: RankGroup | None = None) -> None:
+                 pin: bool, preemption: PreemptionWatch, group: RankGroup, taken: Taken,
+                 validation: bytes | None = None) -> None:
+        """``taken``: the root as rank 0 took it (its lock is let go of if this fails); ``validation``:
+        ``validate=`` as ``_commit.validation.prepare`` gave it."""
+        self.lock = taken.lock
         self.config = config
         self.group = group
         self.backend = backend
@@ -108,11 +124,6 @@ class Runtime(ReadsCommitted):
         self._reading_lock = threading.Lock()
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
-        self.schedule = Schedule(config.trigger, opened=time.monotonic())
-        validate_fn = None
-        if config.validate is not None:
-            from mpckpt._commit.validation import prepare as prepare_validation
-            validate_fn = prepare_validation(config.validate, backend)  # refused before anything starts
         self.validator: Validator | None = None
         self.pool: UploaderPool | None = None
         self.committer: Committer | None = None
@@ -121,20 +132,13 @@ class Runtime(ReadsCommitted):
         self.keeper: Keeper | None = None
         self.tier: JobTier | None = None  # a job's recovery tier
         self.leave_in_memory = False  # close(): leave the kept snapshot for the next process
-        if group is None:
-            self.lock: WriterLock | None = acquire_writer_lock(backend, owner, where)
-            staging_name: Callable[[str], str] = backend.staging_name
-        else:  # a collective: rank 0 locks and recovers, every rank learns the outcome
-            from mpckpt._opening_job import open_ranked
-            opened = open_ranked(group, backend, lambda: acquire_writer_lock(backend, owner, where))
-            self.lock = opened.lock
-            staging_name = functools.partial(backend.staging_name, run=opened.token)
         try:
+            self.schedule = Schedule(config.trigger, opened=time.monotonic())
             _shm.reap_orphans()
-            found = recover(backend) if group is None else Recovered(opened.committed, opened.damaged)
             # checkpoints whose manifest does not verify: never deleted, never saved over
-            self.damaged = found.damaged
-            self.ledger = Ledger(found.committed, staging_name=staging_name, on_open=self._opened,
+            self.damaged = taken.damaged
+            staging_name = functools.partial(backend.staging_name, run=taken.token)
+            self.ledger = Ledger(taken.committed, staging_name=staging_name, on_open=self._opened,
                                  taken_steps=set(self.damaged))
             self.arena = Arena(config.memory_budget_bytes, pin=pin)
             self.pool = UploaderPool(spec, workers=config.workers, start_method=config.start_method,
@@ -146,36 +150,24 @@ class Runtime(ReadsCommitted):
             # staging folders are the commit side's: staging is handed only the calls that make and
             # remove them (in a job a dropped step's folder is the coordinator's to remove)
             budget = Budget(config, self.arena, self.ledger, self.pool, on_wait=self.errors.raise_unseen,
-                            abort_staging=backend.abort if group is None else None)
+                            abort_staging=backend.abort if group.alone else None)
             self.saver = Snapshotter(config, self.ledger, budget, self.pool, backend.prepare_staging, self._stats)
             # the snapshot a previous process kept in memory is found now; newer ones are kept as saved
-            self.keeper = Keeper(backend.url, self.arena, enabled=config.keep_in_memory,
-                                 rank=0 if group is None else group.rank,
-                                 world_size=1 if group is None else group.world_size)
+            self.keeper = Keeper(backend.url, self.arena, enabled=config.keep_in_memory, rank=group.rank,
+                                 world_size=group.world_size)
             self.saver.keeper = self.keeper
-            if group is not None:
-                self.saver.planner = Planner(group)
-                if config.keep_in_memory:  # the job's memory and the copies on other nodes: a collective
-                    from mpckpt._peer.tier import JobTier
-                    self.tier = JobTier(self.keeper, self.arena, group, copies=config.peer_copies,
-                                        token=opened.token, timeout_s=2 * config.job_timeout_s)
             self.directories = DirectoryUploads(config, self.ledger, self.pool, backend, local=spec.scheme == "file")
             self.deleter = Deleter(backend)
-            if validate_fn is not None:
+            if validation is not None:
                 from mpckpt._commit.validation import Validator, ValidatorSetup
                 self.validator = Validator(
-                    ValidatorSetup(spec, validate_fn, config.nice, os.getpid(), environ), ledger=self.ledger,
+                    ValidatorSetup(spec, validation, config.nice, os.getpid(), environ), ledger=self.ledger,
                     backend=backend, start_method=config.start_method, timeout_s=config.validate_timeout_s,
                     stats=self._stats.validations, after=self._validated)
-            if group is not None:
-                from mpckpt._commit.ranked import StoreCoordinator
-            coordinator: Coordinator = SingleProcess(backend) if group is None else StoreCoordinator(
-                backend, group.scoped(f"mpckpt/{opened.token}/"), rank=group.rank, world_size=group.world_size,
-                timeout_s=config.timeout_s)
-            self.committer = Committer(self.ledger, backend, coordinator, self.deleter,
+            self.committer = Committer(self.ledger, backend, self._join(taken.token), self.deleter,
                                        retention=config.retention, on_forget=self.saver.frozen.forget_folder,
                                        let_go=self.saver.frozen.let_go, validating=self.validator is not None,
-                                       held=self._in_use, deletes=group is None or group.rank == 0)
+                                       held=self._in_use, deletes=group.rank == 0)
             self.deletions = Deletions(self.ledger, backend, self.saver.frozen, self.deleter,
                                        self.committer.retention_lock, self.validator, self.damaged,
                                        config.timeout_s, wait=self.wait, raise_unseen=self.errors.raise_unseen)
@@ -191,6 +183,23 @@ class Runtime(ReadsCommitted):
             self._let_go_of_lock()
             raise
         atexit.register(self.release_unclosed)  # registered after multiprocess's hook: runs before it
+
+    def _join(self, token: str | None) -> Coordinator:
+        """Who publishes: a single process its own checkpoints (``SingleProcess``); a rank saves its
+        part (``Planner``), holds the job's recovery tier (``JobTier``, a collective) and commits
+        with the others through the store, under the run ``token`` (``StoreCoordinator``)."""
+        group, config = self.group, self.config
+        if group.alone:
+            return SingleProcess(self.backend)
+        from mpckpt._commit.ranked import StoreCoordinator
+        assert self.keeper is not None and self.arena is not None
+        self.saver.planner = Planner(group)
+        if config.keep_in_memory:  # the job's memory and the copies on other nodes
+            from mpckpt._peer.tier import JobTier
+            self.tier = JobTier(self.keeper, self.arena, group, copies=config.peer_copies, token=str(token),
+                                timeout_s=2 * config.job_timeout_s)
+        return StoreCoordinator(self.backend, group.scoped(f"mpckpt/{token}/"), rank=group.rank,
+                                world_size=group.world_size, timeout_s=config.timeout_s)
 
     def committed(self) -> dict[int, Manifest]:
         return self.ledger.committed()
@@ -244,7 +253,7 @@ class Runtime(ReadsCommitted):
         multi-rank job twice that and a little more, since a step's commit waits up to
         ``timeout_s`` for the other ranks only once this rank's own uploads are done, and a
         wait must outlast it to give the ``RankError`` that names a dead rank."""
-        return self.config.timeout_s if self.group is None else 2 * self.config.timeout_s + 10.0
+        return self.config.timeout_s if self.group.alone else 2 * self.config.timeout_s + 10.0
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
@@ -282,7 +291,7 @@ class Runtime(ReadsCommitted):
         return self.deletions.set_aside(steps, move=move)  # see Deletions.set_aside
 
     def discard_after(self, step: int, *, keep: bool = False) -> list[int]:
-        if self.group is not None:
+        if not self.group.alone:
             raise ConfigError("discard_newer() is not available in a multi-rank job; delete the newer checkpoints "
                               "with `mpckpt rm` before the job starts")
         if keep:
@@ -290,7 +299,7 @@ class Runtime(ReadsCommitted):
         return self.deletions.discard_after(step)  # see Deletions.discard_after
 
     def delete(self, steps: list[int], *, damaged: bool) -> None:
-        if self.group is not None:
+        if not self.group.alone:
             raise ConfigError("delete() is not available in a multi-rank job (every rank would have to agree); let "
                               "retention (keep=) delete, or use `mpckpt rm ROOT STEP` once the job has stopped")
         self.deletions.delete(steps, damaged=damaged)  # see Deletions.delete (refusals: deletion.refuse)
@@ -325,8 +334,9 @@ class Runtime(ReadsCommitted):
         """Snapshot ``state`` as ``step`` if due (``Checkpointer.save``; ``agreed``: the ranks did, no collective)."""
         now = time.monotonic()
         preempted, due = self.preemption.preempted, force or self.schedule.due(step, now)
-        if self.group is not None and not agreed and (self.schedule.timed or self.preemption.signals):
+        if not agreed and (self.schedule.timed or self.preemption.signals):
             # the clock and signals differ per rank: one small collective makes every rank agree
+            # (a single process's all_gather returns [mine]: nothing leaves the process)
             flags = self.group.all_gather((due, preempted))
             due, preempted = flags[0][0], any(p for _, p in flags)
         if preempted:  # the job is about to be stopped: this save is the last one
@@ -372,7 +382,7 @@ class Runtime(ReadsCommitted):
             return None
         self._uploaders_ready()
         record = self.directories.report_folder(step, metrics, checkpoint, mode=mode, delete_local=delete_local,
-                                                multi_rank=self.group is not None, check_step=check_step)
+                                                multi_rank=not self.group.alone, check_step=check_step)
         return self._returned(record.future, mode, started)
 
     def _returned(self, future: SaveFuture, mode: UploadMode, started: float) -> SaveFuture:

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from mpckpt._commit.sink import ErrorSink
+from mpckpt._dist.group import RankGroup
 from mpckpt._futures import CheckpointerStats
 from mpckpt._read.load import load_checkpoint, load_state
 from mpckpt._read.restore import read_newest
@@ -75,10 +76,10 @@ class StorageView(ReadsCommitted):
     read_only = True
     leave_in_memory = False  # what close() is told of memory: a read-only view keeps none
     pool = None
-    group = None
 
     def __init__(self, backend: Backend, timeout_s: float = 0.0) -> None:
         self.backend, self.timeout_s = backend, timeout_s
+        self.group = RankGroup.of_one()  # a reader reads by itself, in a job too
         self.closed = False
         self.stats = CheckpointerStats()
         self.damaged: dict[int, Exception] = {}

@@ -298,7 +298,7 @@ class Checkpointer:
         self._check_usable()
         if discard_newer and step is None:
             raise ConfigError("discard_newer=True needs step=: the checkpoint the run goes on from")
-        if discard_newer and self._writer().group is not None:
+        if discard_newer and not self._writer().group.alone:
             raise ConfigError("discard_newer=True is not available in a multi-rank job; delete the newer "
                               "checkpoints with `mpckpt rm` before the job starts")
         restored = restore_state(self._rt, state, step=None if step is None else _check_int(step),

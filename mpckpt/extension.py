@@ -104,11 +104,9 @@ def _checkpointer(ckpt: Any) -> Checkpointer:
 
 
 def ranks(ckpt: Checkpointer) -> Ranks:
-    """This process's rank in ``ckpt``'s job, the world size and the rank group."""
-    group = getattr(_checkpointer(ckpt)._rt, "group", None)
-    if group is None:
-        return Ranks(0, 1, None)
-    return Ranks(group.rank, group.world_size, group)
+    """This process's rank in ``ckpt``'s job, the world size and the rank group (None alone)."""
+    group = _checkpointer(ckpt)._rt.group
+    return Ranks(group.rank, group.world_size, None if group.alone else group)
 
 
 def check_open(ckpt: Checkpointer) -> None:

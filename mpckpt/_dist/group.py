@@ -1,6 +1,13 @@
-"""The ranks of a torch.distributed job, as a multi-rank Checkpointer sees them.
+"""The ranks a Checkpointer writes with: a torch.distributed job, or a single process as a group of one.
 
-torch.distributed is the engine: rank, world size and the key-value store come from the
+A single process is a group of one (as torch.distributed.checkpoint's ``_DistWrapper`` makes
+every collective a no-op without a process group): rank 0 of 1, its ``broadcast`` returns its
+input, its ``all_gather`` returns ``[mine]``, and its store lives in the process. So the open,
+the read side and the commit run one path for one process or many; where the two really
+differ (a job's run token and store protocol, its ranked format, its refusals) the code asks
+``alone`` once, in the one place that decides it.
+
+In a job, torch.distributed is the engine: rank, world size and the key-value store come from the
 process group the job initialized (``init_process_group``, by torchrun, Ray Train, SLURM ...)
 or the one passed as ``process_group=``. mpckpt adds no cluster layer of its own.
 
@@ -33,25 +40,30 @@ class RankGroup:
 
     rank: int
     world_size: int
-    process_group: Any
-    store: Any  # the torch.distributed Store of the group (no prefix yet; see ``scoped``)
+    process_group: Any  # None: a single process, a group of one (``alone``)
+    store: Any  # the torch.distributed Store of the group (no prefix yet; see ``scoped``); None: not made yet
 
     @classmethod
-    def detect(cls, process_group: Any = None) -> RankGroup | None:
+    def of_one(cls) -> RankGroup:
+        """This process by itself: rank 0 of 1, no process group, a store made in the process when asked."""
+        return cls(0, 1, None, None)
+
+    @classmethod
+    def detect(cls, process_group: Any = None) -> RankGroup:
         """The group to checkpoint with: ``process_group``, else the default one if initialized,
-        else None (a single process). ``process_group=False``: this process alone, even in a
-        job (a root that only one rank writes)."""
+        else a group of one (a single process). ``process_group=False``: this process alone, even
+        in a job (a root that only one rank writes)."""
         if process_group is False:
-            return None
+            return cls.of_one()
         try:
             import torch.distributed as dist
         except ImportError:  # a torch built without distributed support
             if process_group is not None:
                 raise ConfigError("process_group= needs torch.distributed, which this torch lacks") from None
-            return None
+            return cls.of_one()
         if process_group is None:
             if not (dist.is_available() and dist.is_initialized()):
-                return None
+                return cls.of_one()
             process_group = dist.group.WORLD
         elif not dist.is_initialized():
             raise ConfigError("process_group= was given but torch.distributed is not initialized; call "
@@ -66,8 +78,16 @@ class RankGroup:
     def coordinator(self) -> bool:
         return self.rank == 0
 
+    @property
+    def alone(self) -> bool:
+        """A single process, not a rank of a torch.distributed job (``of_one``). A job of one rank
+        is not alone: it writes as a job does (its ranked format, its store protocol)."""
+        return self.process_group is None
+
     def broadcast(self, obj: Any) -> Any:
         """``obj`` of rank 0, on every rank (a collective: training thread only)."""
+        if self.alone:
+            return obj
         import torch.distributed as dist
 
         box = [obj]
@@ -76,6 +96,8 @@ class RankGroup:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (a collective: training thread only)."""
+        if self.alone:
+            return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
@@ -83,9 +105,14 @@ class RankGroup:
         return out
 
     def scoped(self, prefix: str) -> Any:
-        """The group's store under ``prefix`` (keys of one open of one root)."""
-        import torch.distributed as dist
-
+        """The group's store under ``prefix`` (keys of one open of one root); a group of one's is
+        a ``HashStore`` in this process, made on first use (a single process commits without one)."""
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            raise ConfigError("a store needs torch.distributed, which this torch lacks") from None
+        if self.store is None:
+            self.store = dist.HashStore()
         return dist.PrefixStore(prefix, self.store)
 
 

@@ -2,7 +2,7 @@
 
 ``read_newest`` is the one place that chooses what to read: the newest committed checkpoint
 of states (or the step asked for), damaged ones included (they say why they cannot be read),
-then older ones with ``fallback``. A single process is a group of one (``SOLO``: its
+then older ones with ``fallback``. A single process is a group of one (``_dist.group``: its
 all_gather returns ``[mine]``), so a job runs the very same loop: every rank tries the same
 step (rank 0's scan at open gave every rank the same list), one all_gather tells each how the
 others fared, and all go on from the same step or all stop. ``restore`` is that loop with
@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from mpckpt._dist.group import RankGroup
 from mpckpt._futures import LastRestore
 from mpckpt._read.apply import apply_state, init_optimizer_state
 from mpckpt._read.load import load_state, verify_checkpoint
@@ -46,31 +47,12 @@ _VERIFY_OLDER = 3   # older checkpoints read to say which one is intact, when th
 _ATTEMPTS = 8       # a read-only reader looks again this often when a writer deletes what it listed
 
 
-class Group(Protocol):
-    rank: int
-    world_size: int
-
-    def all_gather(self, obj: Any) -> list[Any]: ...
-
-
-class _Solo:
-    """A single process as a group of one: every collective is trivial."""
-
-    rank, world_size = 0, 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-
-SOLO = _Solo()
-
-
 class View(Protocol):
     """What reading needs of an open root: a writer's ``Runtime`` or a ``StorageView``."""
 
     backend: Backend
     read_only: bool
-    group: Any  # a RankGroup, or None for a single process
+    group: RankGroup  # a single process: a group of one
     damaged: dict[int, Exception]
 
     def committed(self) -> dict[int, Manifest]: ...
@@ -115,16 +97,14 @@ def sources(view: View, manifest: Manifest, *, stored: bool = True) -> list[Sour
     return found
 
 
-def _agreed_memory(view: View, group: Group, committed: dict[int, Manifest]) -> dict[int, Manifest]:
+def _agreed_memory(view: View, committed: dict[int, Manifest]) -> dict[int, Manifest]:
     """Steps kept in memory only and newer than storage's newest, that every rank has (one
     all_gather: every rank agrees on the step before anyone copies)."""
     in_memory = getattr(view, "in_memory", None)
     newest = max((s for s, m in committed.items() if m.kind == "state"), default=-1)
     mine = {s: m for s, m in (in_memory() if in_memory is not None else {}).items()
             if s > newest and s not in committed}
-    if view.group is None:
-        return mine
-    every = group.all_gather(sorted(mine))
+    every = view.group.all_gather(sorted(mine))
     return {s: m for s, m in mine.items() if all(s in steps for steps in every)}
 
 
@@ -134,11 +114,10 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
     """``use`` the newest readable checkpoint (or ``step``): ``(step, result, source, skipped)``, or
     None when there is none. ``skipped``: newer damaged steps passed over (``fallback``).
     ``explain``: a damaged newest one's error names the newest older intact one."""
-    group = view.group or SOLO
     url = view.backend.url
     for _ in range(_ATTEMPTS):
         stored, damaged = view.committed(), dict(view.damaged)
-        committed = {**_agreed_memory(view, group, stored), **stored}
+        committed = {**_agreed_memory(view, stored), **stored}
         order = candidates(committed, damaged, step, url, kind)
         if not order:
             # a writer may have committed a newer one and deleted the listed one before its manifest
@@ -147,7 +126,7 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
                 continue
             return None
         try:
-            return _first_readable(view, group, use, order, committed, damaged, step=step, fallback=fallback,
+            return _first_readable(view, use, order, committed, damaged, step=step, fallback=fallback,
                                    explain=explain, stored=stored)
         except _Gone:
             continue
@@ -155,11 +134,11 @@ def read_newest(view: View, use: Callable[[Source], T], *, step: int | None = No
                                   "times; the writer keeps too few (keep_last) for readers")
 
 
-def _first_readable(view: View, group: Group, use: Callable[[Source], T], order: list[int],
+def _first_readable(view: View, use: Callable[[Source], T], order: list[int],
                     committed: dict[int, Manifest], damaged: dict[int, Exception], *, step: int | None,
                     fallback: bool, explain: bool, stored: dict[int, Manifest]) -> tuple[int, T, Source, list[int]]:
     """``committed``: storage's (``stored``) and the steps kept in memory only."""
-    url = view.backend.url
+    url, group = view.backend.url, view.group
     skipped: list[int] = []
     for candidate in order:
         failure: MpckptError | None = None
@@ -282,7 +261,7 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
 
     def read_and_apply(source: Source) -> int:
         manifest = source.manifest
-        if group is None:
+        if group.alone:  # the live state is this process's whole state: read into it where it can
             loaded = _load_in_place(source, live_flat, allow_pickle=allow_pickle, strict=strict, changed=changed)
             read = sum(e.size for e in manifest.files.values())
         elif manifest.ranked:
@@ -318,9 +297,8 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
         stats.last_restore = LastRestore(restored, source.kind, time.perf_counter() - started, read)
     aside = sorted({*skipped, *(s for s in view.damaged if s > restored)}) if fallback else []
     if aside and not view.read_only:  # the run goes on from here: those steps are saved again
-        view.set_aside(aside, move=(group.rank if group is not None else 0) == 0)
-        if group is not None:  # rank 0 moved them; every rank goes on after
-            group.all_gather(None)
+        view.set_aside(aside, move=group.rank == 0)
+        group.all_gather(None)  # rank 0 moved them; every rank goes on after
     log.info("mpckpt: restored step %d of %s from %s (%.2f s)", restored, url, source.kind,
              time.perf_counter() - started)
     return restored

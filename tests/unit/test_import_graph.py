@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mpckpt._save",),
     ("mpckpt._keep",),
     ("mpckpt._peer",),
-    ("mpckpt._runtime", "mpckpt._opening", "mpckpt._opening_job", "mpckpt._view", "mpckpt._writer_lock"),
+    ("mpckpt._runtime", "mpckpt._opening", "mpckpt._view", "mpckpt._writer_lock"),
     ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension"),
     ("mpckpt.integrations", "mpckpt.cli"),
 ]
@@ -388,7 +388,7 @@ def test_the_picture_check_sees_an_import_that_runs_up() -> None:
     site = Site("mpckpt/format/x.py", 3, "lazy")
     assert upward({"mpckpt.format.x": {"mpckpt._runtime": [site]}, "mpckpt._runtime": {"mpckpt.format.x": [site]}}) \
         == ["mpckpt.format.x (layer 0) -> mpckpt._runtime (layer 6): mpckpt/format/x.py:3 (lazy)"]
-    assert _layer("mpckpt._opening_job") == _layer("mpckpt._runtime") and _layer("mpckpt") == _layer("mpckpt.checkpointer")
+    assert _layer("mpckpt._opening") == _layer("mpckpt._runtime") and _layer("mpckpt") == _layer("mpckpt.checkpointer")
 
 
 def test_every_import_follows_the_picture() -> None:
