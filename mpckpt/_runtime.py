@@ -36,7 +36,6 @@ root in the same process is told that, and how to close the first, instead of a 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import functools
 import gc
@@ -45,7 +44,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +52,7 @@ from mpckpt._commit.committer import Committer
 from mpckpt._commit.coordinator import Coordinator, SingleProcess
 from mpckpt._commit.deleter import Deleter
 from mpckpt._commit.deletion import Deletions
+from mpckpt._commit.readers import Readers
 from mpckpt._commit.sink import ErrorSink
 from mpckpt._dist.group import RankGroup
 from mpckpt._dist.plan import Planner
@@ -120,8 +120,7 @@ class Runtime(ReadsCommitted):
         self.preemption = preemption
         self.warmed = False  # shared memory made ahead for the first save (prepare, or a trigger)
         self.closed = False
-        self._reading: collections.Counter[int] = collections.Counter()
-        self._reading_lock = threading.Lock()
+        self._readers = Readers()
         self._stats = CheckpointerStats()
         self.errors = ErrorSink()
         self.validator: Validator | None = None
@@ -255,34 +254,17 @@ class Runtime(ReadsCommitted):
         wait must outlast it to give the ``RankError`` that names a dead rank."""
         return self.config.timeout_s if self.group.alone else 2 * self.config.timeout_s + 10.0
 
-    @contextlib.contextmanager
-    def reading(self, step: int | None) -> Iterator[None]:
-        """Retention keeps ``step`` while this process reads it (``load``, ``restore``); when the
-        last reader lets go, retention is applied again (a commit meanwhile may have left it only
-        because it was read, and no later commit may come)."""
+    def reading(self, step: int | None) -> contextlib.AbstractContextManager[None]:
+        """Retention keeps ``step`` while this process reads it (``_commit.readers``)."""
         if step is None or self.committer is None:
-            yield
-            return
-        # under the committer's retention lock: a decision either sees this step as read, or has
-        # forgotten it already (then the reader's lookup says it is gone; nothing is half read)
-        with self.committer.retention_lock, self._reading_lock:
-            self._reading[step] += 1
-        try:
-            yield
-        finally:
-            with self._reading_lock:
-                self._reading[step] -= 1
-                last = not self._reading[step]
-                if last:
-                    del self._reading[step]
-            if last and not self.closed:
-                self.committer.reapply_retention(step)
+            return contextlib.nullcontext()
+        committer = self.committer
+        return self._readers.reading(step, committer.retention_lock,
+                                     lambda s: None if self.closed else committer.reapply_retention(s))
 
     def _in_use(self) -> set[int]:
         """Steps retention must keep for now: being read here, or awaiting or failing validation."""
-        with self._reading_lock:
-            steps = set(self._reading)
-        return steps | (self.validator.held() if self.validator is not None else set())
+        return self._readers.steps() | (self.validator.held() if self.validator is not None else set())
 
     def latest_step(self) -> int | None:
         return self.ledger.latest_step()
