@@ -28,10 +28,10 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mpckpt._codec.snapshot import FlatState, FlattenMemo, flatten
-from mpckpt._dist.plan import BLOCK_BYTES
+from mpckpt._dist.plan import BLOCK_BYTES, Planner
 from mpckpt._futures import CheckpointerStats, SaveFuture, SaveStats
 from mpckpt._ledger import Ledger, Pending
 from mpckpt._save.budget import Budget
@@ -48,7 +48,26 @@ from mpckpt._upload.pool import Job, UploaderPool
 from mpckpt._upload.worker import WriteJob
 from mpckpt.config import Config
 from mpckpt.errors import ConfigError
+from mpckpt.format.checksums import FileHasher
 from mpckpt.format.names import SKELETON_NAME, rank_prefix, rank_skeleton_name
+
+
+class Keeps(Protocol):
+    """What a save asks of the keeper of snapshots in memory (``_keep.keeper.Keeper``, a layer
+    above: it is handed in, never imported)."""
+
+    enabled: bool
+    pool: concurrent.futures.ThreadPoolExecutor
+
+    def hashers(self, shards: list[Any], block_size: int) -> list[FileHasher]: ...
+
+    def keep(self, *, step: int, seq: int, metrics: dict[str, Any], shards: list[Any], slab: Slab, small_name: str,
+             small: Callable[[dict[str, list[str]]], bytes], block_size: int = 0,
+             hashed: list[FileHasher] | None = None, pending: bool = False,
+             uploaded: concurrent.futures.Future[dict[str, str]] | None = None,
+             ) -> concurrent.futures.Future[int] | None: ...
+
+    def warn_once(self, key: str, text: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -66,10 +85,16 @@ class Snapshotter:
     memo: FlattenMemo = field(default_factory=FlattenMemo, init=False)
     skeleton: SkeletonText = field(default_factory=SkeletonText, init=False)  # skeleton.json's bytes
     rank_skeleton: RankSkeletonText = field(default_factory=RankSkeletonText, init=False)  # a rank's, in a job
-    planner: Any = None  # a multi-rank save's ``_dist.plan.Planner`` (None: a single process)
-    keeper: Any = None   # keeps the newest complete snapshot in memory (``_keep.keeper.Keeper``)
+    planner: Planner | None = None  # a multi-rank save's (None: a single process)
+    keeper: Keeps | None = None      # keeps the newest complete snapshot in memory
     _copier: BackgroundCopier | None = field(default=None, init=False)
     _guarded: GuardedLeaves = field(default_factory=GuardedLeaves, init=False)  # (``overlap``)
+
+    @property
+    def _kept_by(self) -> Keeps:
+        """The keeper, on the paths only a snapshot kept in memory takes."""
+        assert self.keeper is not None, "a save that keeps its snapshot has a keeper"
+        return self.keeper
 
     def __post_init__(self) -> None:
         self.layouts = LayoutCache(budget_bytes=self.config.memory_budget_bytes, workers=self.config.workers)
@@ -165,7 +190,7 @@ class Snapshotter:
         if self.planner is None:
             self._copy(flat, layout, 0, slab, None)
             return kept(slab, pending=True, uploaded=uploaded)
-        hashers = self.keeper.hashers(layout.waves[0].shards, BLOCK_BYTES)
+        hashers = self._kept_by.hashers(layout.waves[0].shards, BLOCK_BYTES)
 
         def feed(i: int, view: memoryview) -> None:
             hashers[i].update(view)
@@ -178,7 +203,7 @@ class Snapshotter:
         (with many small tensors, faster than one ``_foreach_copy_`` of them all), handing each
         shard's bytes to ``feed`` as they land (while in the cache); False when the state cannot be
         copied so (on a GPU, or a large tensor not contiguous: copied by ``copy_wave``, not fed)."""
-        pool = self.keeper.pool
+        pool = self._kept_by.pool
         if slab.sparse:  # made in this save: written through its file (``written``)
             if write_wave(flat, layout, index, slab, feed=feed, pool=pool):
                 populate(slab)
@@ -219,7 +244,7 @@ class Snapshotter:
 
             def small(blocks: dict[str, list[str]]) -> bytes:
                 return self.skeleton(flat, layout)
-        copies = self.keeper.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
+        copies = self._kept_by.keep(step=step, seq=seq, metrics=metrics, shards=layout.waves[0].shards, slab=slab,
                                   small_name=small_name, small=small,
                                   block_size=BLOCK_BYTES if self.planner is not None else 0, hashed=hashed,
                                   pending=pending, uploaded=uploaded)
