@@ -85,7 +85,8 @@ def uploader_context(start_method: str) -> Any:
 
 
 def forkserver_socket_fits(tempdir: str | None = None) -> bool:
-    """Whether the fork server's socket, ``<tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX``, fits in
-    a Unix socket's path (``tempdir``: the temporary directory, ``TMPDIR`` or the system's)."""
-    path = os.path.join(tempdir or tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")
+    """Whether the fork server's socket, ``<tempdir>/pymp-<8 random>/listener-<8 random>``, fits
+    in a Unix socket's path (``tempdir``: the temporary directory, ``TMPDIR`` or the system's)."""
+    random8 = "0" * 8  # the random part of each name multiprocess makes: its length is what counts
+    path = os.path.join(tempdir or tempfile.gettempdir(), f"pymp-{random8}", f"listener-{random8}")
     return len(os.fsencode(path)) <= _UNIX_SOCKET_PATH_MAX
