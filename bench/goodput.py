@@ -48,6 +48,16 @@ import goodput_faults as gf  # noqa: E402
 WORKER = Path(__file__).with_name("goodput_worker.py")
 STRATEGIES = ("storage", "memory", "peer", "dcp")
 NODES = 2
+FOLDERS = ("dcp", "torchsave")  # the strategies that write ``ROOT/step_<n>`` folders (``goodput_savers.py``)
+# ``--realistic``: a state of ~1.2 GB per rank (a DDP MLP of 8 layers 4096 wide with AdamW: 101 M
+# parameters, 12 bytes each with the optimizer's moments), steps of ~1.5 s of real compute on one
+# core each, memory every step, storage every 25, failures every 30-90 s, the root on an ext4 image.
+# DDP, not FSDP2: gloo on this CPU moves FSDP2's gathers so slowly that a step of the same state
+# takes 5 s, most of it in the transport.
+REALISTIC = dict(width=4096, depth=8, batch=16, parallel="ddp", step_ms=1000.0, every=25, budget="3GiB",
+                 shm="8g", gap_s="30,90", window_s="10,30", disk_fs="ext4", disk_mb=16384, duration=300.0,
+                 hang_s=300.0, strategies="torchsave,dcp,storage,memory,peer")
+PHASES = ("detection", "relaunch", "imports", "group", "build", "open", "restore", "first_step")
 
 
 class Tail:
@@ -98,8 +108,10 @@ class Chaos:
     def launch(self, cluster: Any, max_steps: int | None = None, full_hash: bool = False,
                step_ms: float | None = None) -> None:
         self.launch_no += 1
-        argv = ["--strategy", self.strategy, "--root", self.root, "--out", str(self.out), "--every",
-                str(self.args.every), "--step-ms", str(self.args.step_ms if step_ms is None else step_ms), "--width", str(self.args.width),
+        a = self.args
+        argv = ["--strategy", self.strategy, "--root", self.root, "--out", str(self.out), "--every", str(a.every),
+                "--step-ms", str(a.step_ms if step_ms is None else step_ms), "--width", str(a.width),
+                "--depth", str(a.depth), "--batch", str(a.batch), "--parallel", a.parallel, "--budget", a.budget,
                 "--launch", str(self.launch_no)]
         if max_steps is not None:
             argv += ["--max-steps", str(max_steps)]
@@ -223,6 +235,30 @@ class Chaos:
         f.steps_lost = (f.last_step if f.last_step is not None else -1) - (
             f.restored_step if f.restored_step is not None else -1)
         f.recovery_s = resumed - f.at
+        f.breakdown = self.breakdown(f.at, resumed)
+
+    def breakdown(self, failed_at: float, resumed: float) -> dict[str, float]:
+        """The failure to rank 0's first step after it, by phase: ``detection`` (to the relaunch: this tool
+        relaunches as soon as the job is gone; for a preemption, the final save and exit), ``relaunch``
+        (torchrun, the rendezvous, the interpreter's start), ``imports``, ``group`` (the process group),
+        ``build`` (model and optimizer), ``open`` (the checkpointer), ``restore``, ``first_step``."""
+        start, built, opened, restored = (self.last(e) for e in ("start", "built", "opened", "restored"))
+        if None in (start, built, opened, restored):
+            return {}
+        marks = [failed_at, self.launches[-1], start["python"], start["imported"], start["t"], built["t"],
+                 opened["t"], restored["t"], resumed]
+        out = {phase: marks[i + 1] - marks[i] for i, phase in enumerate(PHASES)}
+        first = restored["step"] + 1 if restored["step"] is not None else 0
+        deadline = time.monotonic() + 30  # the first save comes after the step that resumed
+        while time.monotonic() < deadline and not self.ended():
+            saved = [e for e in self.tail.events if e["event"] == "saved" and e["rank"] == 0 and e["step"] == first
+                     and self.launch_of(e) == self.launch_no]
+            if saved:
+                out["first_save"] = saved[0]["s"]
+                break
+            time.sleep(0.05)
+            self.tail.read()
+        return out
 
     def hard(self, f: gf.Failure, kind: str, cluster: Any) -> None:
         assert self.job is not None
@@ -279,7 +315,7 @@ def chaos_run(args: argparse.Namespace, strategy: str, schedule: list[gf.Failure
     rng = random.Random(args.seed)
     print(f"[goodput] {strategy}: {args.duration:.0f} s, storage {args.storage}", file=sys.stderr, flush=True)
     done: list[gf.Failure] = []
-    with Cluster(NODES, shm_size="512m", name_prefix=f"gp{strategy[:3]}") as cluster:
+    with Cluster(NODES, shm_size=args.shm, name_prefix=f"gp{strategy[:3]}") as cluster:
         run.launch(cluster)
         t0 = run.launches[0]
         resumed = run.watch(0, cluster, resume_after=0)
@@ -315,7 +351,7 @@ class Storage:
             self.moto, self.endpoint = start_moto(str(work))
             self.proxy = FaultProxy(int(self.endpoint.rsplit(":", 1)[1]), seed=args.seed, stall_s=30).start()
         else:
-            self.disk = gf.Disk(work / "disk", args.disk_mb)
+            self.disk = gf.Disk(work / "disk", args.disk_mb, args.disk_fs)
             why = self.disk.mount()
             if why:
                 self.disk = None
@@ -324,9 +360,10 @@ class Storage:
     def root_for(self, strategy: str, work: Path) -> tuple[str, dict[str, str]]:
         from harness.servers import s3_options
 
-        if strategy == "dcp" or strategy == "none":
-            base = self.disk.where if self.disk is not None else work
-            return str(base / f"{strategy}-{uuid.uuid4().hex[:6]}"), {}
+        if strategy == "none":
+            return str(work / f"none-{uuid.uuid4().hex[:6]}"), {}
+        if strategy in FOLDERS and self.kind == "disk":  # a plain path (``ctl://`` is mpckpt's test backend)
+            return str((self.disk.where if self.disk is not None else work) / f"{strategy}-{uuid.uuid4().hex[:6]}"), {}
         if self.kind == "s3":
             import s3fs
 
@@ -379,6 +416,8 @@ def main() -> None:
     import goodput_report as report
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--realistic", action="store_true",
+                        help="a state of ~1.2 GB per rank, ~1.5 s steps: defaults " + json.dumps(REALISTIC))
     parser.add_argument("--duration", type=float, default=180, help="seconds of failures per strategy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--failures", type=int, default=0,
@@ -393,12 +432,23 @@ def main() -> None:
     parser.add_argument("--reference-step-ms", type=float,
                         help="the uninterrupted run's pacing (default --step-ms; 0 is faster, its goodput meaningless)")
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=3, help="Linear layers")
+    parser.add_argument("--batch", type=int, default=8, help="rows per step and rank")
+    parser.add_argument("--parallel", choices=["fsdp", "ddp"], default="fsdp")
+    parser.add_argument("--budget", default="256MiB", help="mpckpt's memory_budget")
+    parser.add_argument("--shm", default="512m", help="each simulated node's /dev/shm")
     parser.add_argument("--disk-mb", type=int, default=32)
+    parser.add_argument("--disk-fs", choices=["tmpfs", "ext4"], default="tmpfs",
+                        help="the disk storage's filesystem (ext4: an image on the machine's disk)")
     parser.add_argument("--hang-s", type=float, default=120)
     parser.add_argument("--work", help="a folder for roots, events and logs (default: a fresh one, removed)")
     parser.add_argument("--json")
     parser.add_argument("--plots", help="write PREFIX-timeline.png and PREFIX-recovery.png")
+    if parser.parse_known_args()[0].realistic:
+        parser.set_defaults(**REALISTIC)
     args = parser.parse_args()
+    if "torchsave" in args.strategies.split(",") and args.parallel != "ddp":
+        raise SystemExit("goodput: the torchsave strategy saves a DDP model: add --parallel ddp")
 
     from harness.nodes import namespaces_unavailable
 

@@ -54,6 +54,7 @@ class Failure:
     steps_lost: int | None = None
     recovery_s: float | None = None
     sources: list[str | None] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)  # the failure to the next step, by phase (rank 0)
     save_errors: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -93,11 +94,14 @@ def draw(seed: int, kinds: list[str], count: int, *, world: int, nodes: int, gap
 
 
 class Disk:
-    """A small tmpfs for the root (``disk`` storage), mounted before the nodes start (they see it)."""
+    """The root's own filesystem (``disk`` storage), mounted before the nodes start (they see it): a small
+    tmpfs, or (``fs="ext4"``) an ext4 image of ``size_mb`` on the machine's disk, loop-mounted, for
+    checkpoints too large to hold in memory."""
 
-    def __init__(self, where: Path, size_mb: int) -> None:
-        self.where, self.size_mb = where, size_mb
+    def __init__(self, where: Path, size_mb: int, fs: str = "tmpfs") -> None:
+        self.where, self.size_mb, self.fs = where, size_mb, fs
         self.filler, self.slow_file = where / ".filler", where.parent / "slow-disk"
+        self.image = where.parent / "disk.img"
         self.mounted = False
 
     def mount(self) -> str | None:
@@ -105,10 +109,19 @@ class Disk:
         import subprocess
 
         self.where.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m", "tmpfs", str(self.where)],
-                              capture_output=True, text=True, timeout=30)
+        if self.fs == "ext4":
+            with open(self.image, "wb") as f:
+                f.truncate(self.size_mb << 20)
+            made = subprocess.run(["mkfs.ext4", "-q", "-F", str(self.image)], capture_output=True, text=True,
+                                  timeout=120)
+            if made.returncode != 0:
+                return f"cannot make an ext4 image of {self.size_mb} MiB: {made.stderr.strip()}"
+            command = ["mount", "-o", "loop", str(self.image), str(self.where)]
+        else:
+            command = ["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m", "tmpfs", str(self.where)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
-            return f"cannot mount a {self.size_mb} MiB tmpfs: {done.stderr.strip()}"
+            return f"cannot mount a {self.size_mb} MiB {self.fs}: {done.stderr.strip()}"
         self.mounted = True
         return None
 
@@ -147,6 +160,7 @@ class Disk:
             if subprocess.run(["umount", str(self.where)], capture_output=True, timeout=30).returncode != 0:
                 subprocess.run(["umount", "-l", str(self.where)], capture_output=True, timeout=30)
             self.mounted = False
+        self.image.unlink(missing_ok=True)
 
 
 def start_soft(f: Failure, *, proxy: Any, disk: Disk | None) -> None:

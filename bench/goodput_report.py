@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from collections import Counter, defaultdict
 from typing import Any
+
+PHASES = ("detection", "relaunch", "imports", "group", "build", "open", "restore", "first_step", "first_save")
 
 
 def final_step(run: dict[str, Any]) -> int | None:
@@ -49,8 +50,8 @@ def stored(run: dict[str, Any], full: dict[int, str], read_options: dict[str, An
     import mpckpt
 
     root, out = run["root"], {"listed": [], "unreadable": [], "wrong": [], "errors": []}
-    if run["strategy"] == "dcp":
-        return _stored_dcp(root, full, out)
+    if run["strategy"] in ("dcp", "torchsave"):
+        return _stored_folders(run, full, read_options, out)
     if root.startswith("ctl://"):
         import tests.backends  # noqa: F401
     try:
@@ -76,21 +77,38 @@ def _judge(step: int, read: Any, full: dict[int, str], out: dict[str, Any]) -> N
         out["wrong"].append(step)
 
 
-def _stored_dcp(root: str, full: dict[int, str], out: dict[str, Any]) -> dict[str, Any]:
+def _stored_folders(run: dict[str, Any], full: dict[int, str], read_options: dict[str, Any] | None,
+                    out: dict[str, Any]) -> dict[str, Any]:
+    """DCP's and torch.save's ``ROOT/step_<n>`` folders, through fsspec as the job wrote them."""
+    import fsspec
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    for folder in sorted(p for p in os.listdir(root) if p.startswith("step_")) if os.path.isdir(root) else []:
-        step = int(folder[5:])
-        if not os.path.exists(os.path.join(root, folder, ".metadata")):
+    root, strategy = run["root"], run["strategy"]
+    options = (read_options or {}) if "://" in root else {}
+    fs, base = fsspec.core.url_to_fs(root, **options)
+    marker = ".metadata" if strategy == "dcp" else "done"
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+    except FileNotFoundError:
+        names = []
+    for name in sorted(n for n in names if n.startswith("step_") and n[5:].isdigit()):
+        step, folder = int(name[5:]), f"{base.rstrip('/')}/{name}"
+        if not fs.exists(f"{folder}/{marker}"):
             continue
         out["listed"].append(step)
-        with tempfile.TemporaryDirectory() as tmp:
-            def read(folder: str = folder, tmp: str = tmp) -> Any:
-                dcp_to_torch_save(os.path.join(root, folder), os.path.join(tmp, "x.pt"))
-                return torch.load(os.path.join(tmp, "x.pt"), weights_only=True)
+        if strategy == "dcp":
+            def read(url: str = f"{root.rstrip('/')}/{name}") -> Any:
+                from torch.distributed.checkpoint import FileSystemReader
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+                from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-            _judge(step, read, full, out)
+                reader = FsspecReader(url, **options) if "://" in url else FileSystemReader(url)
+                return _load_state_dict_from_keys(storage_reader=reader)
+        else:
+            def read(folder: str = folder) -> Any:
+                with fs.open(f"{folder}/state.pt", "rb") as f:
+                    return torch.load(f, weights_only=True)
+        _judge(step, read, full, out)
     return out
 
 
@@ -146,9 +164,18 @@ def summarize(run: dict[str, Any], ref: dict[str, Any], read_options: dict[str, 
                         "lost_max": max((f["steps_lost"] or 0) for f in fs),
                         "recovery_med": _med([f["recovery_s"] for f in fs]),
                         "recovery_max": max((f["recovery_s"] for f in fs if f["recovery_s"] is not None), default=None),
-                        "sources": dict(Counter(src for f in fs for src in f["sources"]))}
+                        "sources": dict(Counter(src for f in fs for src in f["sources"])),
+                        "breakdown_med": _phases([f.get("breakdown") or {} for f in fs])}
                     for k, fs in sorted(by_kind.items())}
+    s["blocked_med"] = _med([e["s"] for e in events if e["event"] == "saved" and e["rank"] == 0])
+    s["blocked_max"] = max((e["s"] for e in events if e["event"] == "saved" and e["rank"] == 0), default=None)
     return s
+
+
+def _phases(breakdowns: list[dict[str, float]]) -> dict[str, float | None]:
+    """Each phase's median over the failures that have it."""
+    names = [k for k in PHASES if any(k in b for b in breakdowns)]
+    return {k: _med([b.get(k) for b in breakdowns]) for k in names}
 
 
 def _med(values: list[Any]) -> float | None:
@@ -194,4 +221,16 @@ def tables(result: dict[str, Any]) -> str:
             src = ", ".join(f"{n} {c}" for n, c in k["sources"].items()) or "-"
             lines.append(f"| {s['strategy']} | {kind} | {k['n']} | {_fmt(k['lost_med'], 0)} | {k['lost_max']} | "
                          f"{_fmt(k['recovery_med'], 1)} | {_fmt(k['recovery_max'], 1)} | {src} |")
+    lines += ["", "the failure to the next training step by phase, medians in s (rank 0; `first_save` is the "
+              "loop's time in the first save after the restart, after that step):", "",
+              "| strategy | failure | " + " | ".join(PHASES) + " |", "|---|---|" + "---:|" * len(PHASES)]
+    for run in result["runs"]:
+        s = run["summary"]
+        for kind, k in s["by_kind"].items():
+            b = k.get("breakdown_med") or {}
+            if b:
+                lines.append(f"| {s['strategy']} | {kind} | " + " | ".join(_fmt(b.get(p)) for p in PHASES) + " |")
+    lines += ["", "| strategy | loop blocked in save, median s | (max) |", "|---|---:|---:|"]
+    lines += [f"| {r['summary']['strategy']} | {_fmt(r['summary'].get('blocked_med'), 3)} | "
+              f"{_fmt(r['summary'].get('blocked_max'), 2)} |" for r in result["runs"]]
     return "\n".join(lines)

@@ -77,9 +77,9 @@ def module_of(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, batch: int = 8) -> None:
     g = torch.Generator().manual_seed(1000 * step + rank)  # the global generators are left alone
-    x, y = torch.randn(8, IN, generator=g), torch.randn(8, OUT_DIM, generator=g)
+    x, y = torch.randn(batch, IN, generator=g), torch.randn(batch, OUT_DIM, generator=g)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
