@@ -69,8 +69,19 @@ def rank_main() -> None:
     opened = time.time()
     out["open"] = opened - t
     t = time.time()
+    profile = None
+    if os.environ.get("SHARE_PROFILE") and rank == 0:  # the restore's profile on rank 0's stderr
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     restored = ckpt.restore(state)
     out["restore"] = time.time() - t
+    if profile is not None:
+        import pstats
+
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(35)
     out["restored"] = restored
     out["source"] = ckpt.last_restore.source if ckpt.last_restore is not None else None
     step = 0 if restored is None else restored + 1
@@ -111,6 +122,8 @@ def attempt(args: argparse.Namespace, root: str, options: dict | None, work: Pat
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-id", "share",
                 "--master-port", str(port), str(Path(__file__).resolve()), "--rank-main"]
     done = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if os.environ.get("SHARE_PROFILE"):
+        print(done.stderr[-12000:], file=sys.stderr)
     results = []
     for rank in range(2):
         path = out / f"r{rank}.json"

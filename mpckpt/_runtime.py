@@ -15,9 +15,11 @@ with the garbage collector paused; and ``report`` (the rules for a folder are
 ``_upload.directory``'s). What is opened for a root, and when opening is refused, is
 ``_opening``'s.
 
-Nothing it starts stands between the open and a restored model: the uploaders start in the
-background (the first call that needs them waits, bounded, and raises why they could not:
-``_uploaders_ready``), and a restore's shared memory is made in a thread (``prepare``).
+Nothing it starts stands between the open and a restored model, nor between a restore and
+the first save after it: the uploaders start in the background (a save's jobs queue up while
+they start and fail with why they could not, which the next save raises; a call that needs
+them up waits, bounded: ``_uploaders_ready``), and a restore's shared memory is made in a
+thread (``prepare``).
 
 One process or a job, it is wired the same way around its ``group`` (a single process is a
 group of one, ``_dist.group``): rank 0 holds the writer lock it took at the open
@@ -330,7 +332,8 @@ class Runtime(ReadsCommitted):
             if not self.warmed:
                 self._warm_in_background(state)
             return None
-        self._uploaders_ready()
+        if self.pool is not None:  # the snapshot is taken while the uploaders may still be starting: its jobs
+            self.pool.going()      # wait in their queue (the first save after a restart does not wait for them)
         self.saver.barrier()
         overlap = self.config.overlap if overlap is None else bool(overlap)
         # A save allocates an object or two per tensor and creates no cycles: a collection

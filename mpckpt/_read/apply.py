@@ -216,16 +216,19 @@ def _dataclass(target: Any, loaded: Any, path: str, strict: bool, keys: _Keys) -
 
 
 def init_optimizer_state(state: Any) -> None:
-    """Give every optimizer in ``state`` that has no state yet the state its first step makes.
+    """Give every optimizer in ``state`` over sharded parameters (DTensors) that has no state yet the
+    state its first step makes.
 
-    A freshly created optimizer has no moments, so a restore would have nothing to restore
-    them into (for a sharded model, nothing that says how they are sharded). As
-    torch.distributed.checkpoint's ``set_state_dict`` does, it takes one step with zero
-    gradients at learning rate 0 (nothing moves), and the restore then overwrites what that
-    step made. Gradients the parameters already had are put back afterwards.
+    A freshly created optimizer has no moments, so a restore would have nothing that says how
+    its moments are sharded. As torch.distributed.checkpoint's ``set_state_dict`` does, it takes
+    one step with zero gradients at learning rate 0 (nothing moves), and the restore then
+    overwrites what that step made. Gradients the parameters already had are put back
+    afterwards. An optimizer over plain tensors (one process, DDP) is left alone: its moments
+    are read into fresh tensors that its ``load_state_dict`` takes as they are, which spares the
+    restart a whole optimizer step (1.5 s for AdamW over 100 M parameters on one CPU core).
     """
     for optimizer in _optimizers(state, set()):
-        if optimizer.state:
+        if optimizer.state or not _over_dtensors(optimizer):
             continue
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
@@ -246,6 +249,13 @@ def init_optimizer_state(state: Any) -> None:
                     group["lr"] = lr
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
+
+
+def _over_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+    if dtensor is None:
+        return False
+    return any(isinstance(p, dtensor.DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
 def _optimizers(value: Any, seen: set[int]) -> list[torch.optim.Optimizer]:

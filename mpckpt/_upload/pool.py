@@ -14,8 +14,9 @@ environment) and pinged when the pool starts: each proves it can write to the ro
 first save finds them warm and storage the *uploaders* cannot write to fails clearly before
 any upload. ``start(wait=False)`` leaves that to the dispatcher thread, which does it before
 anything else (jobs submitted meanwhile wait in the queue; if the start fails they fail with
-its error): the Checkpointer opens while the workers start, and ``ready`` (bounded by the
-start timeout) gives the outcome to the first call that needs the workers. The start can be
+its error): the Checkpointer opens while the workers start, a save's jobs queue up meanwhile
+(``going``: a failure already known is raised, nothing waits), and ``ready`` (bounded by the
+start timeout) gives the outcome to a call that needs the workers up. The start can be
 held back a while (``hold_s``): the Runtime lets a restore read first, and ``go`` (the end of a
 restore), ``ready`` or a submit start them at once.
 They run below training or beside it, as ``priority`` says (``config.UploaderPriority``:
@@ -167,6 +168,16 @@ class UploaderPool:
             return
         self._start_error_seen = True
         raise error.with_traceback(None)
+
+    def going(self) -> None:
+        """Let the workers start now and raise their start's failure if it is known already; never waits
+        (a job submitted before the start ends waits in the queue, and fails with that failure)."""
+        if self._thread is None:
+            return
+        self.go()
+        if self._started.is_set() and self._start_error is not None:
+            self._start_error_seen = True
+            raise self._start_error.with_traceback(None)
 
     def _start_workers(self) -> bool:
         """On the dispatcher thread, before any job: spawn the workers, wait for every ping's answer.

@@ -21,7 +21,7 @@ import torch
 import mpckpt
 from harness.servers import S3_KEY, S3_SECRET
 from mpckpt._system import shm as _shm
-from mpckpt.errors import ConfigError, LockedError
+from mpckpt.errors import ConfigError, LockedError, UploadError
 from tests.backends import ctl_url
 from tests.conftest import assert_same
 
@@ -66,13 +66,18 @@ def test_the_first_save_fails_when_the_uploaders_cannot_write(tmp_path):
     options = {"writable_only_in_pid": os.getpid()}  # this process may write, its uploaders may not
     root = ctl_url(tmp_path / "ck")
     state = {"w": torch.ones(3)}
-    # the uploaders start beside the open and the restore; the first save waits for them and says why not
+    # the uploaders start beside the open and the restore; the first save does not wait for them (a
+    # restarted job's first save costs no more than any other): its future says why not, and every save
+    # after that is refused
     with mpckpt.Checkpointer(root, storage_options=options, workers=2) as ckpt:
         assert ckpt.restore(state) is None
+        first = ckpt.save(1, state)
+        with pytest.raises(UploadError, match="the uploader processes did not start: .* cannot write there"):
+            first.result(60)
         with pytest.raises(ConfigError, match="uploader processes cannot write there") as info:
-            ckpt.save(1, state)
+            ckpt.save(2, state)
         with pytest.raises(ConfigError, match="uploader processes cannot write there"):
-            ckpt.save(1, state)  # every save is refused; the close after them does not raise it again
+            ckpt.save(3, state)  # the close after them does not raise it again
     message = str(info.value)
     assert str(tmp_path / "ck") in message and "permission denied" in message
     assert not [name for name in os.listdir(tmp_path / "ck") if name.startswith("step_")]  # nothing written
