@@ -7,9 +7,16 @@ seeded failure schedule (``bench/goodput_faults.py``), relaunched after every fa
 is S3 (moto) behind the fault proxy (``harness/fault_proxy.py``: outages and latency), or, with
 ``--storage disk``, a small tmpfs root through the ``ctl://`` backend (a full disk, a slow disk).
 
+``--realistic`` makes it a job of a realistic size for this machine (``REALISTIC``: ~1.2 GB of
+state per rank under DDP, ~1.5 s steps of real compute, memory every step, storage every 25
+steps, failures every 30-90 s, the disk root on an ext4 image) and compares ``torchsave`` and
+``dcp`` on the same storage with mpckpt's three strategies.
+
 Per failure: what failed, steps lost (the last step trained before it against the step restored
-after it), the time from the failure to the first training step after it, where each rank's restore
-came from (``ckpt.last_restore.source``). Per run: goodput (the uninterrupted run's wall time to the
+after it), the time from the failure to the first training step after it and its phases (the
+relaunch, the imports, the process group, the model's build, the checkpointer's open, the restore,
+the first step; then the loop's time in the first save), where each rank's restore came from
+(``ckpt.last_restore.source``). Per run: goodput (the uninterrupted run's wall time to the
 same step over this run's: 1.0 is a run that lost nothing, checkpoints cost nothing), checkpoints
 committed, lost (committed, then unreadable or passed over by a restore: must be 0), wrong (a
 restored state or a stored checkpoint that differs from what the uninterrupted run had at that step:
@@ -21,6 +28,7 @@ after the others to the furthest step any reached) gives every step's expected h
     .venv/bin/python bench/goodput.py --duration 180 --seed 1                        # as root
     .venv/bin/python bench/goodput.py --duration 180 --seed 1 --storage disk
     .venv/bin/python bench/goodput.py --duration 60 --strategies peer --kinds rank_kill,preempt
+    .venv/bin/python bench/goodput.py --realistic --seed 1 --json bench/results/goodput-realistic-s3.json
 
 Writes ``--json`` (default ``bench/results/goodput-<storage>.json``) and, with ``--plots PREFIX``,
 ``PREFIX-timeline.png`` and ``PREFIX-recovery.png`` (``bench/goodput_plot.py``).
