@@ -233,9 +233,10 @@ def restore(view: View, state: Any, *, step: int | None = None, fallback: bool =
     then overwrites every leaf again; when none reads, the error says that the state is
     undefined (``state_changed``). Everything else is read into fresh tensors and applied.
 
-    In a job each rank reads the byte ranges it needs (resharding): optimizers without state
-    yet get theirs first (as an optimizer step with zero gradients and learning rate 0 would
-    make it), so that their DTensor moments are restored as shards like the parameters.
+    In a job each rank reads the byte ranges it needs (resharding): optimizers over DTensors
+    without state yet get theirs first (as an optimizer step with zero gradients and learning
+    rate 0 would make it), so that their moments are restored as shards like the parameters;
+    an optimizer over plain tensors (DDP) takes its moments as loaded, as in one process.
     """
     started = time.perf_counter()
     url = view.backend.url
