@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpckpt import _generations as gens
-from mpckpt import process_group
+from mpckpt import _links, process_group
 from mpckpt._opening import open_root
 from mpckpt._runtime import Runtime
 from mpckpt.checkpointer import Checkpointer
@@ -211,8 +211,13 @@ def reopen(ckpt: Checkpointer) -> None:
 
 
 def _leave_group() -> None:
+    """Close the failed group's connections (the ranks still waiting on this one fail at once instead
+    of at the group's timeout: ``_links``), then destroy it."""
     import torch.distributed as dist
 
+    shut = _links.shut(process_group.links)
+    process_group.links = {}
+    log.debug("mpckpt: %d connections of the failed group shut down", shut)
     if dist.is_initialized():
         dist.destroy_process_group()
 
