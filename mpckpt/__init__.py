@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from mpckpt.data import ResumableLoader as ResumableLoader
     from mpckpt.data import ResumableSampler as ResumableSampler
     from mpckpt.data import SeededDataset as SeededDataset
+    from mpckpt.healing import heal as heal
     from mpckpt.loop import LoopState as LoopState
     from mpckpt.options import Job as Job
     from mpckpt.options import Memory as Memory
@@ -72,6 +73,7 @@ __all__ = [
     "Uploads",
     "errors",
     "export_hf",
+    "heal",
     "init_process_group",
     "load",
     "__version__",
@@ -90,6 +92,7 @@ _WHERE = {
     "Checkpointer": "mpckpt.checkpointer",
     "load": "mpckpt._view",
     "init_process_group": "mpckpt.process_group",
+    "heal": "mpckpt.healing",
     "export_hf": "mpckpt.cli.export",
     "KeepBest": "mpckpt.policies",
     "KeepEvery": "mpckpt.policies",

@@ -65,13 +65,15 @@ class Opened:
 
 
 def open_root(owner: object, root: str | os.PathLike[str], config: Config, *,
-              storage_options: Mapping[str, Any] | None, read_only: Any) -> Opened:
+              storage_options: Mapping[str, Any] | None, read_only: Any, spec: BackendSpec | None = None) -> Opened:
     """Open ``root`` for ``owner`` (the Checkpointer, which the finalizer watches) with the
     settings of ``config``; a read-only open refuses those that write (none has a variable, so
-    any that is set was given).
+    any that is set was given). ``spec``: the backend of an earlier open of the same root (a
+    heal opens it again: ``healing``), in place of ``root`` and ``storage_options``.
     """
     signals = parse_signals(config.preemption)
-    spec = spec_for_url(root, dict(storage_options or {}), direct_io=config.direct_io)
+    if spec is None:
+        spec = spec_for_url(root, dict(storage_options or {}), direct_io=config.direct_io)
     backend = open_backend(spec)
     if read_only is True:
         options = {"keep": config.keep, "keep_last": config.keep_last, "trigger": config.trigger,

@@ -432,8 +432,9 @@ class Runtime(ReadsCommitted):
         finally:
             self.release()
 
-    def release(self) -> None:
-        """Free everything now: threads, uploader processes, shared memory, the lock."""
+    def release(self, *, timeout_s: float | None = None) -> None:
+        """Free everything now: threads, uploader processes, shared memory, the lock (``timeout_s``:
+        the most each background part may take to stop; default ``wait_s``)."""
         if self.closed:
             return
         self.closed = True
@@ -445,7 +446,7 @@ class Runtime(ReadsCommitted):
                 self.tier.close(leave=self.leave_in_memory)
             if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
                 self.keeper.close(leave=self.leave_in_memory)
-            self._stop_background(timeout_s=self.wait_s)
+            self._stop_background(timeout_s=self.wait_s if timeout_s is None else timeout_s)
         finally:
             self._let_go_of_lock()
 

@@ -18,7 +18,9 @@
     ├── BudgetError                      the memory budget cannot be honoured (also TimeoutError
     │                                    subclasses below for bounded waits)
     ├── WaitTimeoutError(TimeoutError)   a bounded wait ran out
-    └── LockedError                      another live writer holds the checkpoint folder
+    ├── LockedError                      another live writer holds the checkpoint folder
+    └── HealError                        a job cannot heal in place after a lost rank (mpckpt.heal
+                                         says which part of the state, or the launcher's reason)
 
 Every error raised from a lower-level cause is chained with ``raise ... from e``. Every
 ``UploadError`` is made by ``upload_error``, so all of them read "step N: what failed: cause". A failure in
@@ -136,3 +138,9 @@ class WaitTimeoutError(MpckptError, TimeoutError):
 
 class LockedError(MpckptError):
     """Another live process writes to this checkpoint folder."""
+
+
+class HealError(MpckptError):
+    """``mpckpt.heal`` cannot heal the job in place: the message says why (a part of the state bound
+    to the failed process group, a job not started by ``python -m mpckpt.run``, more failures than
+    ``--max-restarts``) and what to do; the failure that started it is the ``__cause__``."""

@@ -9,6 +9,13 @@ the one fix, so that no user has to find and copy it: under torchrun's agent sto
 initialized over ``PrefixStore("mpckpt-attempt-<TORCHELASTIC_RESTART_COUNT>/", TCPStore(...))``,
 a store private to the attempt; everywhere else the call is torch's own, unchanged.
 
+It also remembers how the group was made (``made_with``): ``mpckpt.heal`` forms the group again
+the same way, in the next generation of a job under ``python -m mpckpt.run`` (``_generations``:
+the generation is the ``TORCHELASTIC_RESTART_COUNT`` a rank joins, so its store prefix is the one
+above). Under that launcher a rank also says in the store that it formed the group of its
+generation (the launcher starts a replacement that never did again in a newer one), and the
+sockets the group opened are remembered (``links``: a heal shuts them down, ``_links``).
+
 ``mpckpt.init_process_group("gloo")`` takes what ``dist.init_process_group`` takes. It does the
 plain call when the caller chose the rendezvous (``store=`` or ``init_method=`` given), outside
 torchrun (no ``TORCHELASTIC_RESTART_COUNT``), or when torchrun's workers do not use the agent's
@@ -23,10 +30,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mpckpt import _generations as gens
+from mpckpt import _links
 from mpckpt.errors import ConfigError
 
 PREFIX = "mpckpt-attempt-{}/"  # the store prefix of one torchrun attempt
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch's default for gloo
+made_with: tuple[str | None, dict[str, Any]] | None = None  # the last call's backend and arguments
+links: dict[int, str] = {}  # the sockets the last group made under the agent's store opened (``_links``)
 
 
 def attempt_store_wanted(kwargs: dict[str, Any], env: Mapping[str, str] = os.environ) -> bool:
@@ -52,6 +63,8 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
     ``timeout`` given applies to the store's connection too."""
     import torch.distributed as dist
 
+    global made_with
+    made_with = (backend, dict(kwargs))
     if not attempt_store_wanted(kwargs):
         dist.init_process_group(backend, **kwargs)
         return
@@ -67,4 +80,8 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
                           "the script with torchrun, or pass store= or init_method= yourself")
     agent = dist.TCPStore(host, _env_int("MASTER_PORT", env), world_size, is_master=False, timeout=timeout)
     store = dist.PrefixStore(PREFIX.format(_env_int("TORCHELASTIC_RESTART_COUNT", env)), agent)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    global links
+    _, links = _links.opened_by(lambda: dist.init_process_group(backend, store=store, rank=rank,
+                                                                 world_size=world_size, **kwargs))
+    if gens.under_launcher(env):
+        agent.set(gens.formed_key(_env_int("TORCHELASTIC_RESTART_COUNT", env), rank), "1")

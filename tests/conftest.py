@@ -16,8 +16,8 @@ from mpckpt._system import shm as _shm
 TIERS: dict[str, tuple[str, ...]] = {
     "installs": ("test_install", "test_demo"),                       # fresh venvs and clones, pip
     "torchrun": ("test_distributed", "test_dcp_writer", "test_dcp_folders", "test_job_memory_kills",
-                 "test_loop_state", "test_restarts", "test_transformers_dcp"),  # multi-process jobs
-    "nodes": ("test_nodes", "test_peer_copies"),                     # simulated nodes (namespaces)
+                 "test_loop_state", "test_restarts", "test_transformers_dcp", "test_heal_in_job"),  # multi-process jobs
+    "nodes": ("test_nodes", "test_peer_copies", "test_heal_nodes"),                     # simulated nodes (namespaces)
     "chaos": ("test_goodput",),                                      # the chaos run's short form
     "frameworks": ("test_lightning", "test_lightning_dcp", "test_lightning_files", "test_transformers",
                    "test_transformers_dcp", "test_transformers_folders", "test_ray", "test_export_hf"),

@@ -34,15 +34,16 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mpckpt"
 LAYERS: list[tuple[str, ...]] = [
     ("mpckpt.errors", "mpckpt._dtypes", "mpckpt.per_rank", "mpckpt.format", "mpckpt.storage", "mpckpt.config",
      "mpckpt.options", "mpckpt.policies", "mpckpt._futures", "mpckpt._preemption", "mpckpt._progress", "mpckpt.loop", "mpckpt.rng",
-     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system", "mpckpt._ledger"),
+     "mpckpt.data", "mpckpt._testing", "mpckpt._threads", "mpckpt.process_group", "mpckpt._system", "mpckpt._ledger",
+     "mpckpt._generations", "mpckpt._supervisor", "mpckpt._links"),
     ("mpckpt._codec", "mpckpt._dist"),
     ("mpckpt._read", "mpckpt._stage", "mpckpt._upload", "mpckpt._commit", "mpckpt.catalog", "mpckpt.checkpoint"),
     ("mpckpt._save",),
     ("mpckpt._keep",),
     ("mpckpt._peer",),
     ("mpckpt._runtime", "mpckpt._opening", "mpckpt._view", "mpckpt._writer_lock"),
-    ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension"),
-    ("mpckpt.integrations", "mpckpt.cli"),
+    ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension", "mpckpt.healing"),
+    ("mpckpt.integrations", "mpckpt.cli", "mpckpt.run"),
 ]
 
 _PRIVATE_LAYERS = (

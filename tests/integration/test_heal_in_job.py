@@ -1,0 +1,232 @@
+"""A rank of a job under ``python -m mpckpt.run`` SIGKILLed: a replacement joins, the others heal in place.
+
+Each case runs ``heal_worker.py`` under ``python -m mpckpt.run --standalone`` (gloo on CPU): a small
+model under DDP or FSDP2 with AdamW and a ``PerRank`` blob, ``STEPS`` deterministic steps, each saved
+with ``mode="memory"`` and every ``STORAGE_EVERY``-th to storage. In generation 0 one rank SIGKILLs
+itself at step ``KILL_STEP`` at one moment (``job_kill_worker``'s: mid-forward, between backward and
+its optimizer step, mid-copy of its save, right after its save). What must hold:
+
+- the launcher exits 0, having started one replacement (two with ``--second``, whose first
+  replacement dies while the survivors heal);
+- every surviving rank is the process it was (one process of that rank, the same pid at the end),
+  healed once, in place, at the newest step every rank had completed (the lowest of the ranks'
+  last ``saved`` lines), from ``"memory"``, bit for bit the state it saved at that step;
+- the replacement restored the same step from ``"memory"`` (its dead predecessor's kept snapshot),
+  bit for bit what its predecessor saved;
+- every rank's final state is, bit for bit, that of an uninterrupted run of the same job;
+- nothing is left: no process of the job's session, no kept snapshot of its root, no shared-memory
+  segment of its processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mpckpt._keep import store
+from mpckpt._system import shm
+from tests.conftest import assert_same
+from tests.launch import finish, start, tail, worker_env
+
+WORKER = str(Path(__file__).with_name("heal_worker.py"))
+STEPS, KILL_STEP, STORAGE_EVERY = 10, 7, 5
+BLOB_MB = 16
+JOB_TIMEOUT_S = 240
+
+
+@dataclass
+class Job:
+    """One ``mpckpt.run`` job's output folder (``OUT/rank<r>/...``, see ``heal_worker``)."""
+
+    out: Path
+    world: int
+    log: Path
+    session: int  # the launcher's pid: the session of every process of the job
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.out / f"rank{rank}"
+
+    def processes(self, rank: int) -> list[dict[str, Any]]:
+        """Every process that ran ``rank``, in the order they started (by generation)."""
+        found = [json.loads(p.read_text()) for p in self.rank_dir(rank).glob("proc-*.json")]
+        return sorted(found, key=lambda d: d["generation"])
+
+    def final(self, rank: int) -> dict[str, Any]:
+        path = self.rank_dir(rank) / "final.json"
+        assert path.exists(), f"rank {rank} did not finish; the job's log ends:\n{tail(self.log)}"
+        return json.loads(path.read_text())
+
+    def saved_before_heal(self, rank: int) -> list[int]:
+        """The steps rank ``rank``'s process of generation 0 saved before it healed (or died)."""
+        saved = []
+        for line in (self.rank_dir(rank) / "trace").read_text().split("\n"):
+            if line.startswith("healed "):
+                break
+            if line.startswith("saved "):
+                saved.append(int(line.split()[1]))
+        return saved
+
+    def state(self, rank: int, name: str) -> dict[str, Any]:
+        return torch.load(self.rank_dir(rank) / f"{name}.pt")
+
+    def killed(self) -> list[tuple[int, dict[str, Any]]]:
+        return sorted((r, json.loads(p.read_text())) for r in range(self.world)
+                      for p in [self.rank_dir(r) / "kill.json"] if p.exists())
+
+
+def run_job(tmp: Path, world: int, model: str, *options: Any, restarts: int = 2, ok: bool = True) -> Job:
+    """``heal_worker.py`` on ``world`` ranks under ``python -m mpckpt.run``; with ``ok`` it must exit 0."""
+    out, log = tmp / "out", tmp / "log.txt"
+    cmd = [sys.executable, "-m", "mpckpt.run", "--standalone", f"--nproc-per-node={world}",
+           f"--max-restarts={restarts}", WORKER, str(tmp / "root"), str(out), "--model", model, "--steps", str(STEPS),
+           "--storage-every", str(STORAGE_EVERY), "--blob-mb", str(BLOB_MB), *map(str, options)]
+    proc = start(cmd, log, worker_env())
+    code = finish(proc, log, JOB_TIMEOUT_S)
+    if ok:
+        assert code == 0, f"mpckpt.run exited with {code}; its log ends:\n{tail(log)}"
+    return Job(out, world, log, proc.pid)
+
+
+def session_members(session: int) -> list[int]:
+    """The processes still alive in ``session`` (zombies excluded)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[3]) == session and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+def assert_nothing_left(job: Job, root: Path, *, kept_left: bool = False) -> None:
+    """No process of the job's session alive; unless ``kept_left``, no kept snapshot of ``root`` nor
+    shared-memory segment of the job's processes (a job stopped by signal leaves them, as a crash)."""
+    deadline = time.monotonic() + 15
+    while (left := session_members(job.session)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the job still alive after the launcher ended: {left}"
+    if kept_left:
+        return
+    kept = [k.base for k in store.list_kept() if k.root is not None and k.root.startswith(str(root))]
+    assert not kept, f"kept snapshots of {root} left in /dev/shm: {kept}"
+    pids = {p["pid"] for r in range(job.world) for p in job.processes(r)}
+    segments = [s for s in shm.list_segments() if any(s.startswith(f"mpckpt-{pid}-") for pid in pids)]
+    assert not segments, f"shared-memory segments of the job's processes left: {segments}"
+
+
+def remove_kept_under(folder: Path) -> None:
+    for kept in store.list_kept():
+        if kept.root is not None and kept.root.startswith(str(folder)) and not kept.held:
+            store.remove_kept(kept.base)
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_left(tmp_path: Path) -> Any:
+    yield
+    remove_kept_under(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``(world, model) -> Job``: the same job without a kill, under mpckpt.run, once per world and model."""
+    jobs: dict[tuple[int, str], Job] = {}
+    folders: list[Path] = []
+
+    def get(world: int, model: str) -> Job:
+        if (world, model) not in jobs:
+            folders.append(tmp_path_factory.mktemp(f"uninterrupted-{model}{world}"))
+            jobs[world, model] = run_job(folders[-1], world, model)
+        return jobs[world, model]
+
+    yield get
+    for folder in folders:
+        remove_kept_under(folder)
+
+
+def expected_step(moment: str, completed_by_killed: bool) -> int:
+    """The newest step every rank completed when the rank died (``completed_by_killed``: it saved S)."""
+    if moment in ("forward", "before_optim"):
+        return KILL_STEP - 1
+    if moment == "in_save":
+        return KILL_STEP if completed_by_killed else KILL_STEP - 1
+    return KILL_STEP
+
+
+def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int) -> int:
+    """What every case asserts of the ranks (see the module docstring); the step healed at."""
+    world = job.world
+    killed = job.killed()
+    assert [(r, k["moment"], k["step"]) for r, k in killed][:1] == [(kill_rank, moment, KILL_STEP)], killed
+    saved = {r: job.saved_before_heal(r) for r in range(world)}
+    newest = min(s[-1] for s in saved.values())
+    assert newest == expected_step(moment, KILL_STEP in saved[kill_rank]), saved
+    for r in range(world):
+        procs = job.processes(r)
+        final = job.final(r)
+        if r != kill_rank:  # a survivor: one process, the same from start to end, healed in place
+            assert len(procs) == 1 and procs[0]["generation"] == 0, (r, procs)
+            assert final["pid"] == procs[0]["pid"], (r, final, procs)
+            heals = procs[0]["heals"]
+            assert heals and [(h["step"], h["source"]) for h in heals[-1:]] == [(newest, "memory")], (r, heals)
+            assert_same(job.state(r, f"healed-{final['pid']}"), job.state(r, f"state-{newest}"), f"rank {r} healed")
+        else:  # the dead process and its replacement(s)
+            assert len(procs) == 1 + replacements, (r, procs)
+            assert final["generation"] == replacements and final["pid"] == procs[-1]["pid"], (r, final, procs)
+            assert (procs[-1]["restored"], procs[-1]["source"]) == (newest, "memory"), procs[-1]
+            assert_same(job.state(r, f"restored-{final['pid']}"), job.state(r, f"state-{newest}"),
+                        f"rank {r}'s replacement restored")
+    return newest
+
+
+CASES = [pytest.param(moment, 2, "ddp", id=f"{moment}-ddp2")
+         for moment in ("forward", "before_optim", "in_save", "after_save")]
+CASES += [pytest.param("before_optim", 4, "ddp", id="before_optim-ddp4"),
+          pytest.param("forward", 4, "ddp", id="forward-ddp4"),
+          pytest.param("before_optim", 2, "fsdp", id="before_optim-fsdp2"),
+          pytest.param("after_save", 4, "fsdp", id="after_save-fsdp4")]
+
+
+@pytest.mark.parametrize(("moment", "world", "model"), CASES)
+def test_a_killed_rank_is_replaced_and_the_survivors_heal_in_place_bit_exact(tmp_path, uninterrupted, moment, world,
+                                                                            model):
+    kill_rank = 1 if world == 2 else 0  # at 4 ranks rank 0 dies: the one that holds the root's lock
+    job = run_job(tmp_path, world, model, "--moment", moment, "--kill-rank", kill_rank, "--kill-step", KILL_STEP)
+    check_healed(job, kill_rank, moment, replacements=1)
+    plain = uninterrupted(world, model)
+    for r in range(world):
+        assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")
+    assert_nothing_left(job, tmp_path / "root")
+
+
+def test_a_second_failure_during_the_heal_heals_again(tmp_path, uninterrupted):
+    """The replacement dies once it formed the group, before its restore: the survivors, healing, heal
+    again in the next generation with a second replacement."""
+    job = run_job(tmp_path, 2, "ddp", "--moment", "before_optim", "--kill-rank", 1, "--kill-step", KILL_STEP,
+                  "--second")
+    assert (job.rank_dir(1) / "kill-second.json").exists(), tail(job.log)
+    check_healed(job, 1, "before_optim", replacements=2)
+    plain = uninterrupted(2, "ddp")
+    for r in range(2):
+        assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")
+    assert_nothing_left(job, tmp_path / "root")
+
+
+def test_more_failures_than_max_restarts_stop_the_job_saying_so(tmp_path):
+    job = run_job(tmp_path, 2, "ddp", "--moment", "before_optim", "--kill-rank", 1, "--kill-step", 3,
+                  restarts=0, ok=False)
+    text = job.log.read_text(errors="replace")
+    assert "more than --max-restarts=0" in text, tail(job.log)
+    assert_nothing_left(job, tmp_path / "root", kept_left=True)

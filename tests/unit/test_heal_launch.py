@@ -1,0 +1,80 @@
+"""``python -m mpckpt.run``'s command line, the generations' store protocol and ``mpckpt.heal``'s
+refusals, in one process (the jobs themselves: ``tests/integration/test_heal_in_job.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import mpckpt
+from mpckpt import _generations as gens
+from mpckpt._supervisor import Plan, Supervisor
+from mpckpt.errors import HealError
+from mpckpt.run import parse
+
+
+def test_torchruns_flags_make_the_plan():
+    plan = parse(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29400", "--nproc-per-node", "4",
+                  "--max-restarts", "5", "--rdzv-id", "job7", "train.py", "--lr", "3"])
+    assert (plan.nnodes, plan.node_rank, plan.host, plan.port, plan.nproc_per_node, plan.max_restarts,
+            plan.run_id) == (2, 1, "node0", 29400, 4, 5, "job7")
+    assert plan.argv == [sys.executable, "-u", "train.py", "--lr", "3"]
+    assert plan.world_size == 8
+    assert parse(["-m", "--standalone", "pkg.train"]).argv == [sys.executable, "-u", "-m", "pkg.train"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--nnodes", "1:4", "t.py"], "fixed number of nodes"),
+    (["--rdzv-backend", "c10d", "t.py"], "static"),
+    (["--nnodes", "2", "t.py"], "--rdzv-endpoint"),
+    (["--nnodes", "2", "--standalone", "t.py"], "--standalone is one node"),
+    (["--max-restarts", "-1", "t.py"], "--max-restarts=-1"),
+    (["--rdzv-endpoint", "nohost", "t.py"], "HOST:PORT"),
+])
+def test_what_it_cannot_do_is_refused_by_name(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_rank_gets_torchruns_environment_and_its_generation():
+    plan = Plan(argv=["x"], nproc_per_node=4, nnodes=2, node_rank=1, host="h", port=7, max_restarts=3, run_id="r")
+    env = Supervisor(plan, environ={"PATH": "/bin"}).env_of(6, generation=2)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                                "TORCHELASTIC_USE_AGENT_STORE", "MPCKPT_RUN", "OMP_NUM_THREADS", "PATH")} == {
+        "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+        "MASTER_ADDR": "h", "MASTER_PORT": "7", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "r",
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "MPCKPT_RUN": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin"}
+
+
+def test_the_generations_store_protocol():
+    store = dist.HashStore()
+    assert gens.current(store) == 0 and gens.lost_in(store, 1) == [] and gens.stopped(store) is None
+    assert gens.wait_for_newer(store, 0, timeout_s=0.05) is None  # bounded
+    store.add(gens.GENERATION, 1)
+    store.set(gens.lost_key(1), "1,3")
+    assert gens.wait_for_newer(store, 0, timeout_s=5) == 1 and gens.lost_in(store, 1) == [1, 3]
+    store.set(gens.STOP, "too many failures")
+    assert gens.stopped(store) == "too many failures" and gens.wait_for_newer(store, 1, timeout_s=5) is None
+
+
+def test_heal_raises_again_what_is_not_a_lost_rank(tmp_path, monkeypatch):
+    with mpckpt.Checkpointer(tmp_path / "root", workers=1) as ckpt:
+        state = {"x": [1]}
+        bug = ValueError("a bug in the loop")
+        with pytest.raises(ValueError) as e:  # not a failure a lost rank makes
+            mpckpt.heal(ckpt, state, bug)
+        assert e.value is bug
+        monkeypatch.delenv("MPCKPT_RUN", raising=False)
+        failed = RuntimeError("Connection closed by peer")
+        with pytest.raises(RuntimeError) as e:  # no launcher to start a replacement
+            mpckpt.heal(ckpt, state, failed)
+        assert e.value is failed and "python -m mpckpt.run" in "".join(getattr(e.value, "__notes__", []))
+        monkeypatch.setenv("MPCKPT_RUN", "1")
+        monkeypatch.setattr(mpckpt.process_group, "made_with", None)
+        with pytest.raises(HealError, match="mpckpt.init_process_group"):
+            mpckpt.heal(ckpt, state, failed)
