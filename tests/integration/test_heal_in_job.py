@@ -33,7 +33,9 @@ import torch
 
 from mpckpt._keep import store
 from mpckpt._system import shm
+from tests import kills
 from tests.conftest import assert_same
+from tests.kills import remove_kept_under, uninterrupted_jobs
 from tests.launch import finish, start, tail, worker_env
 
 WORKER = str(Path(__file__).with_name("heal_worker.py"))
@@ -127,12 +129,6 @@ def assert_nothing_left(job: Job, root: Path, *, kept_left: bool = False) -> Non
     assert not segments, f"shared-memory segments of the job's processes left: {segments}"
 
 
-def remove_kept_under(folder: Path) -> None:
-    for kept in store.list_kept():
-        if kept.root is not None and kept.root.startswith(str(folder)) and not kept.held:
-            store.remove_kept(kept.base)
-
-
 @pytest.fixture(autouse=True)
 def _no_kept_left(tmp_path: Path) -> Any:
     yield
@@ -141,28 +137,12 @@ def _no_kept_left(tmp_path: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``(world, model) -> Job``: the same job without a kill, under mpckpt.run, once per world and model."""
-    jobs: dict[tuple[int, str], Job] = {}
-    folders: list[Path] = []
-
-    def get(world: int, model: str) -> Job:
-        if (world, model) not in jobs:
-            folders.append(tmp_path_factory.mktemp(f"uninterrupted-{model}{world}"))
-            jobs[world, model] = run_job(folders[-1], world, model)
-        return jobs[world, model]
-
-    yield get
-    for folder in folders:
-        remove_kept_under(folder)
+    """``(world, model) -> Job``: the same job without a kill, once per world size and model."""
+    yield from uninterrupted_jobs(tmp_path_factory, run_job)
 
 
 def expected_step(moment: str, completed_by_killed: bool) -> int:
-    """The newest step every rank completed when the rank died (``completed_by_killed``: it saved S)."""
-    if moment in ("forward", "before_optim"):
-        return KILL_STEP - 1
-    if moment == "in_save":
-        return KILL_STEP if completed_by_killed else KILL_STEP - 1
-    return KILL_STEP
+    return kills.expected_step(moment, completed_by_killed, KILL_STEP)
 
 
 def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int) -> int:

@@ -34,8 +34,9 @@ from typing import Any
 import pytest
 import torch
 
-from mpckpt._keep import store
+from tests import kills
 from tests.conftest import assert_same
+from tests.kills import remove_kept_under, uninterrupted_jobs
 from tests.launch import finish, start, tail, worker_env
 
 WORKER = str(Path(__file__).with_name("job_kill_worker.py"))
@@ -88,13 +89,6 @@ def run_job(tmp: Path, world: int, model: str, *options: Any) -> Job:
     return Job(out, world, log)
 
 
-def remove_kept_under(folder: Path) -> None:
-    """The snapshots kept in /dev/shm for roots under ``folder`` (no one else's)."""
-    for kept in store.list_kept():
-        if kept.root is not None and kept.root.startswith(str(folder)) and not kept.held:
-            store.remove_kept(kept.base)
-
-
 @pytest.fixture(autouse=True)
 def _no_kept_left(tmp_path: Path) -> Any:
     yield
@@ -103,28 +97,13 @@ def _no_kept_left(tmp_path: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``(world, model) -> Job``: the same job without a kill, run once per world size and model."""
-    jobs: dict[tuple[int, str], Job] = {}
-    folders: list[Path] = []
-
-    def get(world: int, model: str) -> Job:
-        if (world, model) not in jobs:
-            folders.append(tmp_path_factory.mktemp(f"uninterrupted-{model}{world}"))
-            jobs[world, model] = run_job(folders[-1], world, model)
-        return jobs[world, model]
-
-    yield get
-    for folder in folders:
-        remove_kept_under(folder)
+    """``(world, model) -> Job``: the same job without a kill, once per world size and model."""
+    yield from uninterrupted_jobs(tmp_path_factory, run_job)
 
 
 def expected_step(moment: str, completed_by_killed: bool) -> int:
-    """The newest step every rank completed when the rank died (``completed_by_killed``: it saved S)."""
-    if moment in ("forward", "before_optim"):
-        return KILL_STEP - 1
-    if moment == "in_save":
-        return KILL_STEP if completed_by_killed else KILL_STEP - 1
-    return KILL_STEP
+    return kills.expected_step(moment, completed_by_killed, KILL_STEP)
+
 
 
 CASES = [pytest.param(moment, world, "ddp", id=f"{moment}-ddp{world}")
