@@ -220,8 +220,9 @@ def test_outage_during_a_save_does_not_wedge_later_saves(store: Store) -> None:
     ``save`` makes no storage request on the training thread: the outage reaches the caller
     through the save's future (and would at the next save or wait if nobody looked)."""
     proxy = store.proxy
+    # (timeout_s bounds the sync save, the uploaders' start on a loaded machine included: not 5 s)
     with mpckpt.Checkpointer(store.url, storage_options=store.with_options(retry_attempts=1), workers=1,
-                             timeout_s=5) as ckpt:
+                             timeout_s=BOUND_S) as ckpt:
         ckpt.save(0, _state(0), mode="sync")
         proxy.inject("http_503", times=None, match=lambda m, p: ".mpckpt.lock" not in p)
         failed = ckpt.save(1, _state(1))

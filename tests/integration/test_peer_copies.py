@@ -121,11 +121,11 @@ def peer_files(node: Node, pattern: re.Pattern[str], rank: int) -> list[str]:
     return [n for n in node.shm_listing() if (m := pattern.fullmatch(n)) and int(m.group(1)) == rank]
 
 
-def peer_records(node: Node, rank: int) -> list[KeptRecord]:
-    """The published copies of ``rank``'s snapshots held on ``node`` (at most two: the newest, and
-    the newest step copied for every rank), oldest first."""
+def peer_records(node: Node, rank: int, at_most: int | None = 2) -> list[KeptRecord]:
+    """The published copies of ``rank``'s snapshots held on ``node``, oldest first: in a running or
+    cleanly ended job at most two (the newest, and the newest step copied for every rank)."""
     names = peer_files(node, _PEER_RECORD, rank)
-    assert len(names) <= 2, names
+    assert at_most is None or len(names) <= at_most, names
     records = [KeptRecord.from_bytes(node.shm_path(n).read_bytes(), path=n) for n in names]
     return sorted(records, key=lambda r: r.step)
 
@@ -357,7 +357,10 @@ def test_a_rank_killed_while_copies_are_in_flight_restarts_from_its_own_memory(t
         run.job.kill()
         for node in cluster.nodes:
             for rank in range(2):
-                for record in peer_records(node, rank):
+                # A kill can leave a third: between a copy's publish and the tidy that lets the older
+                # go, or once rank 0's store is gone and the tidy cannot learn which steps every rank
+                # holds (the budget bounds them). Every one published is whole.
+                for record in peer_records(node, rank, at_most=None):
                     assert_whole(node, record)
         views = run.restore()
     step = views[0]["step"]
