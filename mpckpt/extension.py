@@ -35,6 +35,12 @@ Work beside training
     a long-lived process that runs ``fn(checkpoint)`` on committed checkpoints, out of the training
     process (what ``validate=`` uses); ``SideProcessFailed`` says why one run gave nothing.
 
+The open's lifetime in a job whose group failed
+    ``abandon(ckpt, timeout_s=)``: let go of the open as a crash would leave it, without a collective
+    (what it keeps in memory stays for the next restore; saves in flight are dropped and logged).
+    ``reopen(ckpt)``: open the same root again, as it was opened, on the process group formed since
+    (a collective of the new group). ``mpckpt.heal`` is built on these two.
+
 State shapes
     ``PlacedShard``: a chunk of a global tensor at its offset, written by this rank or not (how a
     job's sharded tensor is stored); put it in the state given to ``save_agreed``.
@@ -43,6 +49,7 @@ State shapes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -54,11 +61,13 @@ from mpckpt._commit.validator_process import ValidationFailed as SideProcessFail
 from mpckpt._commit.validator_process import ValidatorProcess as SideProcess
 from mpckpt._commit.validator_process import ValidatorSetup, pickle_fn
 from mpckpt._futures import SaveFuture
+from mpckpt._opening import open_root
 from mpckpt._read.load import load_state as load_tree
 from mpckpt._read.regions import Reader as RegionReader
 from mpckpt._read.regions import leaf_dtype
 from mpckpt._read.skeleton import build as build_tree
 from mpckpt._read.sources import Source, StorageSource
+from mpckpt._runtime import Runtime
 from mpckpt._threads import Thread, executor
 from mpckpt.checkpoint import Checkpoint
 from mpckpt.checkpointer import Checkpointer, _check_metrics, _check_step
@@ -66,10 +75,12 @@ from mpckpt.config import UploadMode
 from mpckpt.errors import ConfigError
 from mpckpt.format.manifest import Manifest
 
+log = logging.getLogger("mpckpt")
+
 __all__ = [
     "PlacedShard", "Ranks", "RegionReader", "SideProcess", "SideProcessFailed", "Source", "StoredParts", "Thread",
-    "build_tree", "check_metrics", "check_open", "check_step", "check_writer", "commit_timeout_s", "executor",
-    "holding", "leaf_dtype", "load_tree", "ranks", "save_agreed", "side_process", "source_of", "stored_parts",
+    "abandon", "build_tree", "check_metrics", "check_open", "check_step", "check_writer", "commit_timeout_s", "executor",
+    "holding", "leaf_dtype", "load_tree", "ranks", "reopen", "save_agreed", "side_process", "source_of", "stored_parts",
     "with_metrics",
 ]
 
@@ -189,3 +200,33 @@ def side_process(ckpt: Checkpointer, fn: Callable[[Checkpoint], Any]) -> SidePro
     config = ckpt.config
     setup = ValidatorSetup(ckpt._spec, pickle_fn(fn), config.nice, os.getpid(), dict(os.environ))
     return SideProcess(setup, start_method=config.start_method)
+
+
+def abandon(ckpt: Checkpointer, *, timeout_s: float = 2.0) -> None:
+    """Let go of ``ckpt``'s open as a crash would leave it, without a collective and without waiting
+    for its saves: what it keeps in memory stays for the next restore, its uploaders and threads stop
+    (each part within ``timeout_s``), rank 0 lets go of the root's lock. Saves in flight are dropped (a
+    failed group cannot commit them); background failures nobody saw yet are logged. ``reopen`` next."""
+    ckpt = _checkpointer(ckpt)
+    if ckpt._finalizer is not None:
+        ckpt._finalizer.detach()
+    rt = ckpt._rt
+    if not isinstance(rt, Runtime) or rt.closed:
+        return
+    rt.leave_in_memory = True
+    try:
+        rt.release(timeout_s=timeout_s)
+    finally:
+        for e in rt.errors.take_unseen():
+            log.info("mpckpt: dropped with the failed group: %s: %s", type(e).__name__, e)
+
+
+def reopen(ckpt: Checkpointer) -> None:
+    """Open ``ckpt``'s root again, as it was opened, on the process group formed since ``abandon``
+    (every rank of the new group calls it: the open is a collective)."""
+    ckpt = _checkpointer(ckpt)
+    if not ckpt._closed:
+        raise ConfigError("reopen() opens a Checkpointer that abandon() let go of; this one is still open")
+    opened = open_root(ckpt, ckpt._spec.root, ckpt.config, storage_options=None, read_only=False,
+                       spec=ckpt._spec)
+    ckpt._rt, ckpt._finalizer = opened.runtime, opened.finalizer

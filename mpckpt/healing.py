@@ -52,10 +52,9 @@ from typing import Any
 
 from mpckpt import _generations as gens
 from mpckpt import _links, process_group
-from mpckpt._opening import open_root
-from mpckpt._runtime import Runtime
 from mpckpt.checkpointer import Checkpointer
 from mpckpt.errors import HealError, MpckptError, add_note
+from mpckpt.extension import abandon, reopen
 
 log = logging.getLogger("mpckpt")
 
@@ -150,7 +149,7 @@ def _heal_once(ckpt: Checkpointer, state: Any, rebuild: Callable[[], Any] | None
                 ", ".join(map(str, lost)) or "?", generation)
     started = time.perf_counter()
     with _phase(report, "leave"):
-        abandon(ckpt)
+        abandon(ckpt, timeout_s=ABANDON_S)
         _leave_group()
     with _phase(report, "form"):
         backend, kwargs = process_group.made_with or (None, {})
@@ -187,29 +186,6 @@ class _phase:
         self.report.phases[self.name] = time.perf_counter() - self.started
 
 
-def abandon(ckpt: Checkpointer) -> None:
-    """Let go of ``ckpt``'s open as a crash would leave it, without a collective: what it keeps in
-    memory stays for the restore, its uploaders and threads stop (bounded), rank 0 lets go of the
-    root's lock. Background failures nobody saw yet (the failed group's commits) are logged."""
-    rt = ckpt._rt
-    if ckpt._finalizer is not None:
-        ckpt._finalizer.detach()
-    if not isinstance(rt, Runtime) or rt.closed:
-        return
-    rt.leave_in_memory = True
-    try:
-        rt.release(timeout_s=ABANDON_S)
-    finally:
-        for e in rt.errors.take_unseen():
-            log.info("mpckpt: dropped with the failed group: %s: %s", type(e).__name__, e)
-
-
-def reopen(ckpt: Checkpointer) -> None:
-    """Open ``ckpt``'s root again, as it was opened, on the group formed now (a collective)."""
-    opened = open_root(ckpt, ckpt._spec.root, ckpt.config, storage_options=None, read_only=False, spec=ckpt._spec)
-    ckpt._rt, ckpt._finalizer = opened.runtime, opened.finalizer
-
-
 def _leave_group() -> None:
     """Close the failed group's connections (the ranks still waiting on this one fail at once instead
     of at the group's timeout: ``_links``), then destroy it."""
@@ -225,9 +201,7 @@ def _leave_group() -> None:
 def bound_to_old_group(state: Any) -> list[str]:
     """The parts of ``state`` (its keys' paths) that hold a process group no longer live: a DDP
     wrapper, DTensor parameters or optimizer state on a mesh of the failed group."""
-    from torch.distributed import distributed_c10d as c10d
-
-    live = set(c10d._world.pg_map)
+    live = process_group.live_groups()
     found: list[str] = []
     for path, value in _walk(state, ""):
         group = getattr(value, "process_group", None)

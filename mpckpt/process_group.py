@@ -85,3 +85,11 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
                                                                  world_size=world_size, **kwargs))
     if gens.under_launcher(env):
         agent.set(gens.formed_key(_env_int("TORCHELASTIC_RESTART_COUNT", env), rank), "1")
+
+
+def live_groups() -> set[Any]:
+    """The process groups torch.distributed holds now (a group made before the last
+    ``destroy_process_group`` is not among them)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)

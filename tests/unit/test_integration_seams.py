@@ -49,6 +49,14 @@ def test_no_integration_reaches_into_the_core():
     assert not reaches, "use mpckpt.extension (or add the seam there):\n" + "\n".join(reaches)
 
 
+def test_heal_takes_the_checkpointer_through_the_seams():
+    """``mpckpt.heal`` is part of the core (its launcher's helpers are its own) but lets go of and
+    reopens a Checkpointer through ``mpckpt.extension``, never its private attributes."""
+    healing = INTEGRATIONS.parent / "healing.py"
+    attributes = [r for r in _reaches(healing) if " from " not in r and " import " not in r]
+    assert not attributes, "use mpckpt.extension (or add the seam there):\n" + "\n".join(attributes)
+
+
 def test_the_checker_sees_a_reach(tmp_path: Path):
     sample = tmp_path / "sample.py"
     sample.write_text("from mpckpt._read.sources import Source\nfrom mpckpt.checkpointer import _check_step\n"
