@@ -3,9 +3,13 @@ refusals, in one process (the jobs themselves: ``tests/integration/test_heal_in_
 
 from __future__ import annotations
 
+import datetime
+import socket
 import sys
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import mpckpt
@@ -78,3 +82,75 @@ def test_heal_raises_again_what_is_not_a_lost_rank(tmp_path, monkeypatch):
         monkeypatch.setattr(mpckpt.process_group, "made_with", None)
         with pytest.raises(HealError, match="mpckpt.init_process_group"):
             mpckpt.heal(ckpt, state, failed)
+
+
+@pytest.fixture
+def launcher_store(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A store where the launcher's would be (a real TCPStore on 127.0.0.1), this process a rank under
+    ``mpckpt.run`` whose group was made with ``mpckpt.init_process_group``."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MPCKPT_RUN", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr(mpckpt.process_group, "made_with", ("gloo", {}))
+    return store
+
+
+def test_a_job_that_is_stopping_is_refused_saying_why(tmp_path, launcher_store):
+    launcher_store.set(gens.STOP, "more than --max-restarts=0 failures")
+    failed = RuntimeError("Connection closed by peer")
+    with mpckpt.Checkpointer(tmp_path / "root", workers=1) as ckpt:
+        with pytest.raises(HealError, match="stopping and cannot heal: more than --max-restarts=0") as e:
+            mpckpt.heal(ckpt, {"x": [1]}, failed, loss_wait_s=5)
+        assert e.value.__cause__ is failed
+        ckpt.save(0, {"x": [1]}, mode="sync")  # refused before it let go of anything: still open
+
+
+def test_no_replacement_in_time_raises_the_failure_again_saying_so(tmp_path, launcher_store):
+    failed = RuntimeError("Connection closed by peer")
+    with mpckpt.Checkpointer(tmp_path / "root", workers=1) as ckpt:
+        with pytest.raises(RuntimeError) as e:
+            mpckpt.heal(ckpt, {"x": [1]}, failed, loss_wait_s=0.3)
+    assert e.value is failed
+    assert "no launcher started a replacement within 0 s" in "".join(getattr(e.value, "__notes__", []))
+
+
+def test_a_launcher_that_is_gone_is_a_heal_error_naming_its_store(tmp_path, launcher_store, monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on, in place of the launcher's
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(closed))
+    with mpckpt.Checkpointer(tmp_path / "root", workers=1) as ckpt:
+        with pytest.raises(HealError, match=f"store at 127.0.0.1:{closed} does not answer"):
+            mpckpt.heal(ckpt, {"x": [1]}, RuntimeError("Connection closed by peer"), loss_wait_s=0.5)
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_state_still_bound_to_the_failed_group_is_named(one_rank_group):
+    """What ``heal`` refuses after ``rebuild``: a DDP wrapper, and FSDP2 parameters and optimizer state
+    on a mesh of the group that failed; plain modules and tensors heal in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpckpt.healing import bound_to_old_group
+
+    plain, wrapped, sharded = torch.nn.Linear(2, 2), DDP(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+    optim = torch.optim.AdamW(sharded.parameters())
+    state = {"plain": plain, "ddp": wrapped, "fsdp": sharded, "optim": optim, "blob": torch.ones(3)}
+    assert bound_to_old_group(state) == []  # the group is alive
+    dist.destroy_process_group()
+    assert bound_to_old_group(state) == ["ddp", "fsdp.weight", "fsdp.bias", "optim.param_groups.0.0",
+                                         "optim.param_groups.0.1"]
