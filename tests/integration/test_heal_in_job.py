@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+import mpckpt
 from mpckpt._keep import store
 from mpckpt._system import shm
 from tests import kills
@@ -141,18 +142,14 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     yield from uninterrupted_jobs(tmp_path_factory, run_job)
 
 
-def expected_step(moment: str, completed_by_killed: bool) -> int:
-    return kills.expected_step(moment, completed_by_killed, KILL_STEP)
-
-
-def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int) -> int:
+def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int, kill_step: int = KILL_STEP) -> int:
     """What every case asserts of the ranks (see the module docstring); the step healed at."""
     world = job.world
     killed = job.killed()
-    assert [(r, k["moment"], k["step"]) for r, k in killed][:1] == [(kill_rank, moment, KILL_STEP)], killed
+    assert [(r, k["moment"], k["step"]) for r, k in killed][:1] == [(kill_rank, moment, kill_step)], killed
     saved = {r: job.saved_before_heal(r) for r in range(world)}
     newest = min(s[-1] for s in saved.values())
-    assert newest == expected_step(moment, KILL_STEP in saved[kill_rank]), saved
+    assert newest == kills.expected_step(moment, kill_step in saved[kill_rank], kill_step), saved
     for r in range(world):
         procs = job.processes(r)
         final = job.final(r)
@@ -188,6 +185,25 @@ def test_a_killed_rank_is_replaced_and_the_survivors_heal_in_place_bit_exact(tmp
     plain = uninterrupted(world, model)
     for r in range(world):
         assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")
+    assert_nothing_left(job, tmp_path / "root")
+
+
+def test_a_rank_killed_in_a_save_to_storage_heals_and_the_step_is_saved_again(tmp_path, uninterrupted):
+    """Rank 1 SIGKILLed inside its save of a storage step (``STORAGE_EVERY``), the survivor's upload of
+    it in flight (not waited for): the failed group never commits that step; after the heal it is saved
+    again and committed, and storage holds exactly the steps of an uninterrupted run, every one
+    readable (its checksums verified)."""
+    kill_step = STORAGE_EVERY
+    job = run_job(tmp_path, 2, "ddp", "--moment", "in_save", "--kill-rank", 1, "--kill-step", kill_step,
+                  "--storage-no-wait")
+    check_healed(job, 1, "in_save", replacements=1, kill_step=kill_step)
+    plain = uninterrupted(2, "ddp")
+    for r in range(2):
+        assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")
+    with mpckpt.Checkpointer(tmp_path / "root", read_only=True) as ckpt:
+        assert ckpt.steps() == list(range(0, STEPS, STORAGE_EVERY)), ckpt.steps()
+        for step in ckpt.steps():
+            assert ckpt.load(step) is not None
     assert_nothing_left(job, tmp_path / "root")
 
 
