@@ -15,6 +15,9 @@ life (no rank hosts it: any rank may die). Under it:
                               launchers of several nodes move it without a lock)
     mpckpt-run/lost/<g>       the ranks whose loss started generation g (``"3"``, ``"1,2"``)
     mpckpt-run/began/<g>      when the launcher saw that loss (``time.time()``, for timelines)
+    mpckpt-run/ready/<g>      a counter: the ranks gathered to form generation g's group
+    mpckpt-run/gathering/<pid> the generation process pid last gathered for (a replacement that
+                              moved itself to a newer one is not started again by its launcher)
     mpckpt-run/formed/<g>/<r> rank r formed the group of generation g
     mpckpt-run/node/<n>       a counter: the launchers started for node n (a second one replaces a
                               lost node: its ranks join a new generation)
@@ -57,6 +60,14 @@ def node_key(node_rank: int) -> str:
 
 def formed_key(generation: int, rank: int) -> str:
     return f"mpckpt-run/formed/{generation}/{rank}"
+
+
+def ready_key(generation: int) -> str:
+    return f"mpckpt-run/ready/{generation}"
+
+
+def gathering_key(pid: int) -> str:
+    return f"mpckpt-run/gathering/{pid}"
 
 
 def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
@@ -117,3 +128,33 @@ def wait_for_newer(store: Any, than: int, timeout_s: float) -> int | None:
         if stopped(store) is not None or time.monotonic() >= deadline:
             return None
         time.sleep(POLL_S)
+
+
+def gathering(store: Any, pid: int) -> int:
+    """The generation process ``pid`` last gathered for (-1: none yet)."""
+    key = gathering_key(pid)
+    return int(bytes(store.get(key)).decode()) if store.check([key]) else -1
+
+
+def gather(store: Any, generation: int, world_size: int, *, timeout_s: float) -> int:
+    """Wait until all ``world_size`` ranks gathered to form ``generation``'s group; the generation
+    to form: ``generation``, or the newest when one began meanwhile (a rank was lost while the
+    others gathered: nobody would come to form the older one, and waiting in its rendezvous would
+    last the group's whole timeout). Raises once the job stops, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        store.set(gathering_key(os.getpid()), str(generation))
+        ready = int(store.add(ready_key(generation), 1))
+        newest = generation
+        while ready < world_size and newest == generation:
+            why = stopped(store)
+            if why is not None:
+                raise RuntimeError(f"mpckpt.run stops the job: {why}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{ready} of {world_size} ranks came to form generation {generation}'s process "
+                                   f"group within {timeout_s:.0f} s (the group's timeout)")
+            time.sleep(POLL_S)
+            ready, newest = int(store.add(ready_key(generation), 0)), current(store)
+        if newest == generation:
+            return generation
+        generation = newest

@@ -17,9 +17,10 @@ Rules it keeps:
   launchers end their ranks and exit 1 saying so;
 - a launcher started for a node number the job already had (a fresh machine in place of a lost
   one) starts its ranks as replacements, in a new generation (counted as failures);
-- a replacement started for a generation that is no longer the newest, and that has not
-  formed its group yet, waits in a rendezvous nobody else will join: it is ended and started
-  again for the newest generation (not counted as a failure);
+- a replacement started for a generation that is no longer the newest, and that has neither
+  formed its group nor gathered for the newest (``_generations.gather`` moves a rank still
+  gathering to it), would wait in a rendezvous nobody else joins: it is ended and started again
+  for the newest generation (not counted as a failure);
 - the exit code is 0 when every rank of every generation that finished ended with 0.
 """
 
@@ -212,6 +213,7 @@ class Supervisor:
                 continue
             if newest is None:
                 newest = gens.current(self.store)
+            r.generation = max(r.generation, gens.gathering(self.store, r.proc.pid))  # it may have moved itself
             if r.generation < newest and not self.store.check([gens.formed_key(r.generation, rank)]):
                 _end(r.proc)
                 print(f"mpckpt.run: the replacement of rank {rank} for generation {r.generation} had not joined "

@@ -155,6 +155,9 @@ def _heal_once(ckpt: Checkpointer, state: Any, rebuild: Callable[[], Any] | None
         backend, kwargs = process_group.made_with or (None, {})
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(generation)  # the store prefix of the generation
         process_group.init_process_group(backend, **kwargs)
+        formed = gens.generation_of_this_process()  # a newer one, when a rank was lost as the group formed
+        if formed != generation:
+            report.generation, report.lost = formed, sorted(set(lost) | set(gens.lost_in(store, formed)))
     with _phase(report, "rebuild"):
         if rebuild is not None:
             rebuild()

@@ -14,7 +14,10 @@ the same way, in the next generation of a job under ``python -m mpckpt.run`` (``
 the generation is the ``TORCHELASTIC_RESTART_COUNT`` a rank joins, so its store prefix is the one
 above). Under that launcher a rank also says in the store that it formed the group of its
 generation (the launcher starts a replacement that never did again in a newer one), and the
-sockets the group opened are remembered (``links``: a heal shuts them down, ``_links``).
+sockets the group opened are remembered (``links``: a heal shuts them down, ``_links``). There,
+before the rendezvous, the ranks gather (``_generations.gather``): a rank lost while the others
+form the group starts a newer generation, and they move to it instead of waiting in a rendezvous
+nobody will complete until the group's timeout.
 
 ``mpckpt.init_process_group("gloo")`` takes what ``dist.init_process_group`` takes. It does the
 plain call when the caller chose the rendezvous (``store=`` or ``init_method=`` given), outside
@@ -79,12 +82,16 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
         raise ConfigError("environment variable MASTER_ADDR is not set; torchrun sets it for every worker: start "
                           "the script with torchrun, or pass store= or init_method= yourself")
     agent = dist.TCPStore(host, _env_int("MASTER_PORT", env), world_size, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(PREFIX.format(_env_int("TORCHELASTIC_RESTART_COUNT", env)), agent)
+    generation = _env_int("TORCHELASTIC_RESTART_COUNT", env)
+    if gens.under_launcher(env):  # every rank there, or a newer generation if one was lost meanwhile
+        generation = gens.gather(agent, generation, world_size, timeout_s=timeout.total_seconds())
+        env["TORCHELASTIC_RESTART_COUNT"] = str(generation)
+    store = dist.PrefixStore(PREFIX.format(generation), agent)
     global links
     _, links = _links.opened_by(lambda: dist.init_process_group(backend, store=store, rank=rank,
                                                                  world_size=world_size, **kwargs))
     if gens.under_launcher(env):
-        agent.set(gens.formed_key(_env_int("TORCHELASTIC_RESTART_COUNT", env), rank), "1")
+        agent.set(gens.formed_key(generation, rank), "1")
 
 
 def live_groups() -> set[Any]:
