@@ -25,6 +25,9 @@ Kills (``--kill-rank R --kill-step S --moment M``), in the process of generation
 ``--peer-copies``, ``--loss-wait-s``, ``--step-sleep-s``: for the simulated nodes (a node lost by the test).
 ``--second``: the replacement started in generation 1 SIGKILLs itself once it formed the group,
 just before its restore (the survivors are healing: a second failure during the heal).
+``--die-healing R``: rank R (a survivor of the first kill) SIGKILLs itself instead of healing, once
+every other survivor came to form generation 1's group (``die-healing.json``): a rank lost while
+the group forms again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch.distributed as dist
 
 import mpckpt
 from harness.job import module_of, parallel, write_json
+from mpckpt import _generations as gens
 from mpckpt import healing
 from tests.integration.job_kill_worker import IN, MOMENTS, OUT_DIM, WIDTH, Files, Kill, batch, local_state
 
@@ -95,10 +99,22 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=7)
     p.add_argument("--in-save-timeout-s", type=float, default=5.0)
     p.add_argument("--second", action="store_true")
+    p.add_argument("--die-healing", type=int, default=-1)
     p.add_argument("--peer-copies", type=int, default=0)
     p.add_argument("--loss-wait-s", type=float, default=10.0)
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     return p.parse_args()
+
+
+def die_healing(files: Files, world: int) -> None:
+    """SIGKILL this survivor once the others (all but it and the rank lost first) gathered to form
+    generation 1's group: they are waiting there for the first replacement (bounded wait)."""
+    store = gens.connect()
+    deadline = time.monotonic() + 60
+    while int(store.add(gens.ready_key(1), 0)) < world - 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    write_json(files.dir / "die-healing.json", {"pid": os.getpid(), "gathered": int(store.add(gens.ready_key(1), 0))})
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -150,6 +166,8 @@ def main() -> None:
             step += 1
             time.sleep(args.step_sleep_s)  # (the node tests: a save's copies to the other node land meanwhile)
         except Exception as error:
+            if rank == args.die_healing and not me["heals"]:
+                die_healing(files, world)
             last = mpckpt.heal(ckpt, state, error, rebuild=lambda: trainer.rebuild(state),
                                loss_wait_s=args.loss_wait_s)
             me["heals"] = [asdict(h) for h in healing.history]

@@ -220,6 +220,36 @@ def test_a_second_failure_during_the_heal_heals_again(tmp_path, uninterrupted):
     assert_nothing_left(job, tmp_path / "root")
 
 
+def test_a_survivor_lost_while_the_group_forms_again_moves_everyone_to_the_next_generation(tmp_path, uninterrupted):
+    """4 ranks: rank 1 SIGKILLed before its optimizer step; rank 2, a survivor, dies too once ranks 0
+    and 3 gathered to form generation 1's group. Nobody waits in generation 1's rendezvous for the
+    group's timeout: ranks 0 and 3 (and rank 1's first replacement, if it started in time) move to
+    generation 2, where a replacement of rank 2 joins; ranks 0 and 3 are the processes they were,
+    the replacements restore their predecessors' kept snapshots, and the job ends as uninterrupted."""
+    job = run_job(tmp_path, 4, "ddp", "--moment", "before_optim", "--kill-rank", 1, "--kill-step", KILL_STEP,
+                  "--die-healing", 2)
+    died = json.loads((job.rank_dir(2) / "die-healing.json").read_text())
+    assert died["gathered"] >= 2, died
+    newest = KILL_STEP - 1
+    assert min(job.saved_before_heal(r)[-1] for r in range(4)) == newest
+    for r in (0, 3):
+        procs, final = job.processes(r), job.final(r)
+        assert len(procs) == 1 and final["pid"] == procs[0]["pid"], (r, procs, final)
+        heal = procs[0]["heals"][-1]
+        assert (heal["generation"], heal["step"], heal["source"]) == (2, newest, "memory"), (r, procs[0]["heals"])
+        assert sorted(heal["lost"]) == [1, 2], heal
+        assert_same(job.state(r, f"healed-{final['pid']}"), job.state(r, f"state-{newest}"), f"rank {r} healed")
+    for r in (1, 2):
+        procs, final = job.processes(r), job.final(r)
+        assert final["pid"] == procs[-1]["pid"] and final["pid"] != procs[0]["pid"], (r, procs, final)
+        assert (procs[-1]["restored"], procs[-1]["source"]) == (newest, "memory"), procs[-1]
+        assert_same(job.state(r, f"restored-{final['pid']}"), job.state(r, f"state-{newest}"), f"rank {r} restored")
+    plain = uninterrupted(4, "ddp")
+    for r in range(4):
+        assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")
+    assert_nothing_left(job, tmp_path / "root")
+
+
 def test_more_failures_than_max_restarts_stop_the_job_saying_so(tmp_path):
     job = run_job(tmp_path, 2, "ddp", "--moment", "before_optim", "--kill-rank", 1, "--kill-step", 3,
                   restarts=0, ok=False)
