@@ -171,7 +171,6 @@ def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int, ki
 CASES = [pytest.param(moment, 2, "ddp", id=f"{moment}-ddp2")
          for moment in ("forward", "before_optim", "in_save", "after_save")]
 CASES += [pytest.param("before_optim", 4, "ddp", id="before_optim-ddp4"),
-          pytest.param("forward", 4, "ddp", id="forward-ddp4"),
           pytest.param("before_optim", 2, "fsdp", id="before_optim-fsdp2"),
           pytest.param("after_save", 4, "fsdp", id="after_save-fsdp4")]
 
