@@ -1,7 +1,10 @@
 """mpckpt's own channel between the ranks of a job: a gloo group and store connections of its own.
 
 torch.distributed is the transport. The group is a ``ProcessGroupGloo`` built directly over
-the job's store under a prefix private to this open of this root: it is never registered as
+the job's store under a prefix private to this open of this root (``mpckpt-link/<token>/``: the
+open's run token, fresh at every open and the same on every rank; nothing a process counts for
+itself, since the ranks of one open need not have opened as many links before it: a survivor of
+``mpckpt.heal`` reopens beside a replacement that opens for the first time): it is never registered as
 a torch.distributed group, never one of the user's groups, and no collective runs on it: only
 point-to-point sends and receives, from mpckpt's background threads (replication) and, during
 a restore, from the training thread and a serving thread. gloo moves CPU tensors over TCP
@@ -22,7 +25,6 @@ memory, both on the training thread of every rank.
 from __future__ import annotations
 
 import datetime
-import itertools
 from typing import Any
 
 import torch
@@ -32,18 +34,17 @@ from mpckpt._dist.group import RankGroup
 CHUNK_BYTES = 32 << 20   # data moves in pieces this size (a superseded snapshot stops between two)
 PROGRESS_S = 30.0        # the longest one piece may take: a peer that makes no progress is gone
 _PROGRESS = datetime.timedelta(seconds=PROGRESS_S)
-_opened = itertools.count()  # links this process opened: a part of the prefix every rank computes alike
 
 
 class Link:
-    """The channel of one open root (``token``: what every rank of this open shares)."""
+    """The channel of one open root (``token``: what every rank of this open shares; one link per open)."""
 
     def __init__(self, group: RankGroup, token: str, *, timeout_s: float) -> None:
         import torch.distributed as dist
 
         self.rank, self.world_size = group.rank, group.world_size
         self.timeout_s = timeout_s
-        self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/{next(_opened)}/", group.store)
+        self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/", group.store)
         self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), group.rank, group.world_size,
                                         datetime.timedelta(seconds=timeout_s))
 
