@@ -17,6 +17,11 @@ connection another thread needs, and waits there cost nothing on the network. Da
 gloo only once both sides have agreed, so every data operation is short and bounded by the
 group's timeout.
 
+A job whose group failed (``mpckpt.heal`` abandons the open) shuts the link's connections down
+(``shut``: those its gloo group opened, as ``_links`` does for the process group): a transfer to
+a rank lost with its node then fails at once instead of after ``PROGRESS_S``, and the threads of
+the abandoned open stop within the abandon's bound.
+
 Building the group is a collective moment (every rank of the job, same order): it happens at
 open when ``peer_copies`` asks for replication, or at a restore that needs another node's
 memory, both on the training thread of every rank.
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mpckpt import _links
 from mpckpt._dist.group import RankGroup
 
 CHUNK_BYTES = 32 << 20   # data moves in pieces this size (a superseded snapshot stops between two)
@@ -45,8 +51,16 @@ class Link:
         self.rank, self.world_size = group.rank, group.world_size
         self.timeout_s = timeout_s
         self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/", group.store)
-        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), group.rank, group.world_size,
-                                        datetime.timedelta(seconds=timeout_s))
+        self.pg: Any
+        self.pg, self._connections = _links.opened_by(lambda: dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo/", self._store), group.rank, group.world_size, datetime.timedelta(seconds=timeout_s)))
+
+    def shut(self) -> int:
+        """Shut down the connections of the link's gloo group (the job's group failed): every
+        transfer in flight or to come fails at once; how many. The store's connections stay."""
+        shut = _links.shut(self._connections)
+        self._connections = {}
+        return shut
 
     def store(self) -> Any:
         """A store connection of the calling thread's own (the keys of this link)."""
