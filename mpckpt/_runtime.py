@@ -432,9 +432,10 @@ class Runtime(ReadsCommitted):
         finally:
             self.release()
 
-    def release(self, *, timeout_s: float | None = None) -> None:
+    def release(self, *, timeout_s: float | None = None, abort: bool = False) -> None:
         """Free everything now: threads, uploader processes, shared memory, the lock (``timeout_s``:
-        the most each background part may take to stop; default ``wait_s``)."""
+        the most each background part may take to stop; default ``wait_s``; ``abort``: the job's
+        group failed, the peer link's transfers fail at once: ``JobTier.close``)."""
         if self.closed:
             return
         self.closed = True
@@ -443,7 +444,7 @@ class Runtime(ReadsCommitted):
         try:
             self.saver.close()
             if self.tier is not None:
-                self.tier.close(leave=self.leave_in_memory)
+                self.tier.close(leave=self.leave_in_memory, abort=abort)
             if self.keeper is not None:  # before the arena unlinks the slabs: the record goes first
                 self.keeper.close(leave=self.leave_in_memory)
             self._stop_background(timeout_s=self.wait_s if timeout_s is None else timeout_s)

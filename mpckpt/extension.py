@@ -215,7 +215,7 @@ def abandon(ckpt: Checkpointer, *, timeout_s: float = 2.0) -> None:
         return
     rt.leave_in_memory = True
     try:
-        rt.release(timeout_s=timeout_s)
+        rt.release(timeout_s=timeout_s, abort=True)
     finally:
         for e in rt.errors.take_unseen():
             log.info("mpckpt: dropped with the failed group: %s: %s", type(e).__name__, e)

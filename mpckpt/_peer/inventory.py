@@ -286,6 +286,12 @@ class JobMemory:
         self.copies = {}
         return kept
 
+    def abort(self) -> None:
+        """The job's group failed: the link's transfers in flight fail at once (``Link.shut``),
+        never made for this (a link not made yet stays unmade)."""
+        if isinstance(self._link, Link):
+            self._link.shut()
+
     def close(self, *, leave: bool) -> None:
         self.finish()
         for store, found in self.copies.values():

@@ -1,7 +1,10 @@
 """mpckpt's own channel between the ranks of a job: a gloo group and store connections of its own.
 
 torch.distributed is the transport. The group is a ``ProcessGroupGloo`` built directly over
-the job's store under a prefix private to this open of this root: it is never registered as
+the job's store under a prefix private to this open of this root (``mpckpt-link/<token>/``: the
+open's run token, fresh at every open and the same on every rank; nothing a process counts for
+itself, since the ranks of one open need not have opened as many links before it: a survivor of
+``mpckpt.heal`` reopens beside a replacement that opens for the first time): it is never registered as
 a torch.distributed group, never one of the user's groups, and no collective runs on it: only
 point-to-point sends and receives, from mpckpt's background threads (replication) and, during
 a restore, from the training thread and a serving thread. gloo moves CPU tensors over TCP
@@ -14,6 +17,11 @@ connection another thread needs, and waits there cost nothing on the network. Da
 gloo only once both sides have agreed, so every data operation is short and bounded by the
 group's timeout.
 
+A job whose group failed (``mpckpt.heal`` abandons the open) shuts the link's connections down
+(``shut``: those its gloo group opened, as ``_links`` does for the process group): a transfer to
+a rank lost with its node then fails at once instead of after ``PROGRESS_S``, and the threads of
+the abandoned open stop within the abandon's bound.
+
 Building the group is a collective moment (every rank of the job, same order): it happens at
 open when ``peer_copies`` asks for replication, or at a restore that needs another node's
 memory, both on the training thread of every rank.
@@ -22,30 +30,37 @@ memory, both on the training thread of every rank.
 from __future__ import annotations
 
 import datetime
-import itertools
 from typing import Any
 
 import torch
 
+from mpckpt import _links
 from mpckpt._dist.group import RankGroup
 
 CHUNK_BYTES = 32 << 20   # data moves in pieces this size (a superseded snapshot stops between two)
 PROGRESS_S = 30.0        # the longest one piece may take: a peer that makes no progress is gone
 _PROGRESS = datetime.timedelta(seconds=PROGRESS_S)
-_opened = itertools.count()  # links this process opened: a part of the prefix every rank computes alike
 
 
 class Link:
-    """The channel of one open root (``token``: what every rank of this open shares)."""
+    """The channel of one open root (``token``: what every rank of this open shares; one link per open)."""
 
     def __init__(self, group: RankGroup, token: str, *, timeout_s: float) -> None:
         import torch.distributed as dist
 
         self.rank, self.world_size = group.rank, group.world_size
         self.timeout_s = timeout_s
-        self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/{next(_opened)}/", group.store)
-        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), group.rank, group.world_size,
-                                        datetime.timedelta(seconds=timeout_s))
+        self._store: Any = dist.PrefixStore(f"mpckpt-link/{token}/", group.store)
+        self.pg: Any
+        self.pg, self._connections = _links.opened_by(lambda: dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo/", self._store), group.rank, group.world_size, datetime.timedelta(seconds=timeout_s)))
+
+    def shut(self) -> int:
+        """Shut down the connections of the link's gloo group (the job's group failed): every
+        transfer in flight or to come fails at once; how many. The store's connections stay."""
+        shut = _links.shut(self._connections)
+        self._connections = {}
+        return shut
 
     def store(self) -> Any:
         """A store connection of the calling thread's own (the keys of this link)."""

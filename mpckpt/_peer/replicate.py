@@ -48,6 +48,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mpckpt._keep.agreement import to_hold
@@ -275,7 +276,10 @@ class Replicator:
             if aborted:
                 break
             self.link.send(item.slab.tensor[start:min(start + CHUNK_BYTES, item.extent)], dst, _TAG)
-        verdict = _answer(store, _key(self.rank, dst, n, "done"), None, PROGRESS_S + item.extent / 50e6)
+        # every byte is out: the receiver verifies and publishes on its own, so a closing sender
+        # stops waiting for its verdict (one lost with its node gives none: abandon would wait)
+        verdict = _answer(store, _key(self.rank, dst, n, "done"), None, PROGRESS_S + item.extent / 50e6,
+                          stopping=lambda: self._stopping)
         for what in ("offer", "answer", "done"):
             store.delete_key(_key(self.rank, dst, n, what))
         if verdict == "ok":
@@ -456,14 +460,15 @@ class Replicator:
             thread.join(timeout=PROGRESS_S)
 
 
-def _answer(store: Any, key: str, dst: int | None, timeout_s: float) -> str:
+def _answer(store: Any, key: str, dst: int | None, timeout_s: float, *,
+            stopping: Callable[[], bool] = lambda: False) -> str:
     """The receiver's answer at ``key``; "refused: closing" once rank ``dst`` (if given) closed its
-    receivers (a copy it accepted is finished before it closes)."""
+    receivers (a copy it accepted is finished before it closes), or once ``stopping()`` (this side closes)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if store.check([key]):
             return bytes(store.get(key)).decode(errors="replace")
-        if dst is not None and store.check([f"closed/{dst}"]):
+        if (dst is not None and store.check([f"closed/{dst}"])) or stopping():
             return "refused: closing"
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer at {key} within {timeout_s:.0f} s")

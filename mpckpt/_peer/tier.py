@@ -98,8 +98,13 @@ class JobTier:
         if self.replicator is not None and not self.replicator.wait(timeout_s):
             log.warning("mpckpt: copies to other nodes still in flight after %.0f s", timeout_s)
 
-    def close(self, *, leave: bool) -> None:
+    def close(self, *, leave: bool, abort: bool = False) -> None:
+        """Stop the copies and the restore's servers (``leave``: the copies held here stay for the
+        next process). ``abort``: the job's group failed: the link's connections are shut first, so
+        that a transfer to a lost rank fails at once instead of holding the close (``Link.shut``)."""
         self.keeper.replicate = self.keeper.pinned = None
+        if abort:
+            self.memory.abort()
         self.memory.close(leave=leave)
         if self.replicator is not None:
             self.replicator.close()

@@ -77,9 +77,6 @@ def state(out: Path, rank: int, name: str) -> dict[str, Any]:
     return torch.load(out / f"rank{rank}" / f"{name}.pt")
 
 
-@pytest.mark.skip(reason="does not pass yet: with peer_copies=1 the survivor's heal and the fresh node's rank both "
-                         "formed generation 1, then neither finished the Checkpointer's open or restore (the launchers "
-                         "were stopped after 180 s); not investigated")
 def test_a_node_lost_a_fresh_node_joins_its_rank_restores_from_the_copy_the_survivor_heals_in_place(tmp_path):
     plain, lost = tmp_path / "plain", tmp_path / "lost"
     plain.mkdir(), lost.mkdir()
