@@ -48,7 +48,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ra
         print(f"[rank 1 pid {os.getpid()}] dying in step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def uninterrupted_final(steps: int, world: int) -> torch.nn.Module:
@@ -61,7 +61,7 @@ def uninterrupted_final(steps: int, world: int) -> torch.nn.Module:
             net.zero_grad()
             torch.nn.functional.mse_loss(net(x), y).backward()
             grads.append([p.grad.clone() for p in net.parameters()])
-        for p, *gs in zip(net.parameters(), *grads):
+        for p, *gs in zip(net.parameters(), *grads, strict=True):
             p.grad = torch.stack(gs).mean(0)
         opt.step()
     return net
@@ -106,7 +106,7 @@ def main() -> None:
         ckpt.wait()
     if rank == 0:
         expected = uninterrupted_final(args.steps, world)
-        same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected.state_dict().values()))
+        same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected.state_dict().values(), strict=True))
         print(f"[rank 0] the final model is {'bit for bit' if same else 'NOT'} the uninterrupted run's", flush=True)
         if not same:
             raise SystemExit(1)

@@ -249,6 +249,23 @@ def test_a_survivor_lost_while_the_group_forms_again_moves_everyone_to_the_next_
     assert_nothing_left(job, tmp_path / "root")
 
 
+def test_the_example_heals_in_place_as_its_docstring_says(tmp_path):
+    """``examples/heal_in_place.py``, started as documented: rank 1 dies mid-step, rank 0's process
+    heals in place, the replacement restores from memory, and the final model is the uninterrupted
+    run's bit for bit (the example checks that and exits 1 if not)."""
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "mpckpt.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+           "examples/heal_in_place.py", "--root", str(tmp_path / "root"), "--steps", "16", "--kill-at", "7",
+           "--storage-every", "5"]
+    code = finish(start(cmd, log, worker_env()), log, JOB_TIMEOUT_S)
+    text = log.read_text(errors="replace")
+    assert code == 0, tail(log)
+    assert "[rank 1 pid" in text and "dying in step 7" in text, tail(log)
+    assert "] healed in place in " in text and "rank(s) [1] lost, back to step 6 from memory" in text, tail(log)
+    assert "restored step 6 from memory" in text, tail(log)
+    assert "[rank 0] the final model is bit for bit the uninterrupted run's" in text, tail(log)
+
+
 def test_more_failures_than_max_restarts_stop_the_job_saying_so(tmp_path):
     job = run_job(tmp_path, 2, "ddp", "--moment", "before_optim", "--kill-rank", 1, "--kill-step", 3,
                   restarts=0, ok=False)
