@@ -1,7 +1,8 @@
 """Kill to the next training step: healing in place (``python -m mpckpt.run``) against a torchrun relaunch.
 
 A 2-rank DDP job (gloo, CPU; an MLP whose model and AdamW moments make ``--state-mb`` MB per rank,
-9.8 by default) saves to memory every step; at step ``--kill-step`` rank 1 SIGKILLs itself between
+9.8 by default) saves to memory every step; at step ``--kill-step``, and no sooner than
+``--running-s`` after its group formed (a job that has run a while), rank 1 SIGKILLs itself between
 its backward and its optimizer step. The same job runs under both launchers, ``--repeats`` times:
 
 - ``mpckpt.run``: rank 0 keeps its process and heals in place (``mpckpt.heal``), a replacement of
@@ -92,6 +93,7 @@ def rank_main() -> None:
                 opt.zero_grad()
                 loss.backward()
                 if rank == 1 and generation == 0 and step == cfg["kill_step"]:
+                    time.sleep(max(0.0, formed + cfg["running_s"] - time.time()))  # a job that ran a while
                     note("kill", step=step)
                     os.kill(os.getpid(), 9)
                 opt.step()
@@ -115,7 +117,7 @@ def one_run(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, fl
     out.mkdir(parents=True)
     width = int(((args.state_mb * 1e6 / 4 / 3) / 2) ** 0.5)  # two square layers, weights + 2 AdamW moments
     cfg = {"root": str(work / f"root-{launcher}"), "out": str(out), "width": width, "steps": args.steps,
-           "kill_step": args.kill_step}
+           "kill_step": args.kill_step, "running_s": args.running_s}
     env = {**os.environ, "HEAL_BENCH": json.dumps(cfg), "PYTHONPATH": str(REPO_DIR), "OMP_NUM_THREADS": "1"}
     module = "mpckpt.run" if launcher == "mpckpt.run" else "torch.distributed.run"
     cmd = [sys.executable, "-m", module, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -169,6 +171,9 @@ def main() -> None:
     p.add_argument("--state-mb", type=float, default=9.8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-step", type=int, default=20)
+    p.add_argument("--running-s", type=float, default=10.0,
+                   help="the kill comes no sooner than this after the group formed (a failure in a job that has run "
+                        "a while: mpckpt.run's warm spare is ready)")
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()

@@ -21,12 +21,16 @@ Rules it keeps:
   formed its group nor gathered for the newest (``_generations.gather`` moves a rank still
   gathering to it), would wait in a rendezvous nobody else joins: it is ended and started again
   for the newest generation (not counted as a failure);
+- a replacement is a warm spare when one is ready (``_spare``: a process that loaded Python, torch
+  and mpckpt while the job trained, ``--spares`` per node, started once the node's ranks formed
+  the newest generation's group so as not to slow their start or heal); a fresh process otherwise;
 - the exit code is 0 when every rank of every generation that finished ended with 0.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import signal
@@ -62,6 +66,7 @@ class Plan:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     monitor_interval_s: float = 0.01
     store_timeout_s: float = 300.0
+    spares: int = 1  # warm spares kept per node (``_spare``); 0: replacements start from nothing
 
     @property
     def world_size(self) -> int:
@@ -88,6 +93,7 @@ class Supervisor:
         self.exit_codes: dict[int, int] = {}
         self.store: Any = None
         self.failures = 0  # this node's, for the log
+        self.spares: list[subprocess.Popen[bytes]] = []
         self._stopping: str | None = None
 
     # -- the ranks' environment, as torchrun gives it --------------------------------------------
@@ -107,10 +113,50 @@ class Supervisor:
         return env
 
     def start(self, rank: int, generation: int) -> Rank:
-        proc = subprocess.Popen(self.plan.argv, env=self.env_of(rank, generation))
+        env = self.env_of(rank, generation)
+        proc = self._from_spare(env) or subprocess.Popen(self.plan.argv, env=env)
         started = Rank(rank, generation, proc)
         self.ranks[rank] = started
         return started
+
+    # -- warm spares -----------------------------------------------------------------------------
+    def _spare_command(self) -> list[str] | None:
+        """How a spare starts; None when the ranks' command is not a Python script or module."""
+        if self.plan.spares < 1 or self.plan.argv[:2] != [sys.executable, "-u"]:
+            return None
+        return [sys.executable, "-u", "-m", "mpckpt._spare"]
+
+    def _keep_spares(self) -> None:
+        """Keep ``plan.spares`` spares ready; a new one starts once this node's ranks formed the newest
+        generation's group (not while they start or heal: its imports would take their cores)."""
+        command = self._spare_command()
+        if command is None:
+            return
+        self.spares = [s for s in self.spares if s.poll() is None]
+        if len(self.spares) >= self.plan.spares or not self.ranks:
+            return
+        newest = gens.current(self.store)
+        if not self.store.check([gens.formed_key(newest, rank) for rank in self.ranks]):
+            return  # (this node's ranks starting or healing: a spare's imports would slow them)
+        env = self.env_of(min(self.ranks), newest)  # (the order replaces it whole)
+        self.spares.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE))
+
+    def _from_spare(self, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """A ready spare, told to become the rank of ``env``; None when none is ready."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.poll() is not None or spare.stdin is None:
+                continue
+            order = json.dumps({"env": env, "argv": self.plan.argv[2:]}) + "\n"
+            try:
+                spare.stdin.write(order.encode())
+                spare.stdin.close()
+            except OSError as e:  # it died meanwhile: the next, or a fresh process
+                log.debug("mpckpt.run: a spare could not take its order: %s", e)
+                _end(spare)
+                continue
+            return spare
+        return None
 
     # -- running ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -157,6 +203,7 @@ class Supervisor:
                 if not self._replace(lost):
                     return 1
             self._restart_stale()
+            self._keep_spares()
             if not self.ranks:
                 return 0 if all(c == 0 for c in self.exit_codes.values()) else 1
             time.sleep(self.plan.monitor_interval_s)
@@ -242,17 +289,19 @@ class Supervisor:
             log.debug("mpckpt.run: the store at the end: %s", e)
 
     def _end_all(self) -> None:
-        for r in self.ranks.values():
-            if r.proc.poll() is None:
-                r.proc.send_signal(signal.SIGTERM)
+        procs = [r.proc for r in self.ranks.values()] + self.spares
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for r in self.ranks.values():
+        for proc in procs:
             try:
-                r.proc.wait(max(0.0, deadline - time.monotonic()))
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait(STOP_GRACE_S)
+                proc.kill()
+                proc.wait(STOP_GRACE_S)
         self.ranks.clear()
+        self.spares.clear()
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:

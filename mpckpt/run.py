@@ -7,7 +7,8 @@ What it supports of torchrun's flags: ``--nproc-per-node``, ``--nnodes`` (a fixe
 ``--node-rank``, a static rendezvous at ``--rdzv-endpoint HOST:PORT`` or ``--master-addr`` /
 ``--master-port`` (node 0's launcher hosts the store there), ``--standalone`` (one node, a free
 port), ``--max-restarts``, ``--run-id``/``--rdzv-id``, ``--monitor-interval``, ``-m`` (run a
-module). Anything else torchrun takes is refused by name, never ignored. The ranks get the
+module); and one of its own, ``--spares N`` (warm spare processes kept per node for replacements,
+``_spare``; 1 by default, 0 for none). Anything else torchrun takes is refused by name, never ignored. The ranks get the
 environment torchrun gives; what the launcher does when a rank dies is ``_supervisor``'s.
 """
 
@@ -37,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--standalone", action="store_true", help="one node, the store on a free local port")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3)
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.01)
+    p.add_argument("--spares", type=int, default=1,
+                   help="warm spare processes per node (Python, torch and mpckpt loaded) that become replacements; "
+                        "0: a replacement starts from nothing")
     p.add_argument("-m", "--module", action="store_true", help="the script is a module, run as python -m")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a command")
     p.add_argument("script")
@@ -60,6 +64,8 @@ def parse(argv: Sequence[str]) -> Plan:
                      f"between 0 and {nnodes - 1}")
     if a.max_restarts < 0:
         parser.error(f"--max-restarts={a.max_restarts} must be 0 or more")
+    if a.spares < 0:
+        parser.error(f"--spares={a.spares} must be 0 or more")
     host, port = _endpoint(parser, a, nnodes)
     if a.no_python:
         command = [a.script]
@@ -70,7 +76,7 @@ def parse(argv: Sequence[str]) -> Plan:
     extra = {"run_id": a.run_id} if a.run_id else {}
     return Plan(argv=[*command, *a.script_args], nproc_per_node=a.nproc_per_node, nnodes=nnodes,
                 node_rank=a.node_rank, host=host, port=port, max_restarts=a.max_restarts,
-                monitor_interval_s=a.monitor_interval, **extra)
+                monitor_interval_s=a.monitor_interval, spares=a.spares, **extra)
 
 
 def _endpoint(parser: argparse.ArgumentParser, a: argparse.Namespace, nnodes: int) -> tuple[str, int]:

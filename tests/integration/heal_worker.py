@@ -25,6 +25,8 @@ Kills (``--kill-rank R --kill-step S --moment M``), in the process of generation
 ``--peer-copies``, ``--loss-wait-s``, ``--step-sleep-s``: for the simulated nodes (a node lost by the test).
 ``--second``: the replacement started in generation 1 SIGKILLs itself once it formed the group,
 just before its restore (the survivors are healing: a second failure during the heal).
+``--wait-for-spare``: the rank to be killed waits (bounded) before its kill step until its launcher
+has a warm spare process (``mpckpt._spare``), and names it in ``spare.json``.
 ``--die-healing R``: rank R (a survivor of the first kill) SIGKILLs itself instead of healing, once
 every other survivor came to form generation 1's group (``die-healing.json``): a rank lost while
 the group forms again.
@@ -100,10 +102,30 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--in-save-timeout-s", type=float, default=5.0)
     p.add_argument("--second", action="store_true")
     p.add_argument("--die-healing", type=int, default=-1)
+    p.add_argument("--wait-for-spare", action="store_true")
     p.add_argument("--peer-copies", type=int, default=0)
     p.add_argument("--loss-wait-s", type=float, default=10.0)
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     return p.parse_args()
+
+
+def wait_for_spare(files: Files) -> None:
+    """Wait until this process's launcher has a warm spare; name it in ``spare.json``."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    spare = b"mpckpt._spare" in f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if spare and parent == os.getppid():
+                write_json(files.dir / "spare.json", {"pid": int(pid)})
+                return
+        time.sleep(0.05)
+    raise TimeoutError("the launcher started no warm spare within 60 s")
 
 
 def die_healing(files: Files, world: int) -> None:
@@ -146,6 +168,8 @@ def main() -> None:
     while step < args.steps:
         try:
             kill.current = step
+            if args.wait_for_spare and step == kill.step:
+                wait_for_spare(files)
             files.note(f"started {step}")
             x, y = batch(step, rank)
             loss = torch.nn.functional.mse_loss(trainer.model(x), y)

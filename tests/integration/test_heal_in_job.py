@@ -168,19 +168,24 @@ def check_healed(job: Job, kill_rank: int, moment: str, *, replacements: int, ki
     return newest
 
 
-CASES = [pytest.param(moment, 2, "ddp", id=f"{moment}-ddp2")
-         for moment in ("forward", "before_optim", "in_save", "after_save")]
-CASES += [pytest.param("before_optim", 4, "ddp", id="before_optim-ddp4"),
-          pytest.param("before_optim", 2, "fsdp", id="before_optim-fsdp2"),
-          pytest.param("after_save", 4, "fsdp", id="after_save-fsdp4")]
+CASES = [pytest.param(moment, 2, "ddp", (), id=f"{moment}-ddp2") for moment in ("forward", "in_save", "after_save")]
+CASES += [pytest.param("before_optim", 2, "ddp", ("--wait-for-spare",), id="before_optim-ddp2-spare"),
+          pytest.param("before_optim", 4, "ddp", (), id="before_optim-ddp4"),
+          pytest.param("before_optim", 2, "fsdp", (), id="before_optim-fsdp2"),
+          pytest.param("after_save", 4, "fsdp", (), id="after_save-fsdp4")]
 
 
-@pytest.mark.parametrize(("moment", "world", "model"), CASES)
+@pytest.mark.parametrize(("moment", "world", "model", "options"), CASES)
 def test_a_killed_rank_is_replaced_and_the_survivors_heal_in_place_bit_exact(tmp_path, uninterrupted, moment, world,
-                                                                            model):
+                                                                            model, options):
+    """(``-spare``: the kill waits for the launcher's warm spare, which becomes the replacement.)"""
     kill_rank = 1 if world == 2 else 0  # at 4 ranks rank 0 dies: the one that holds the root's lock
-    job = run_job(tmp_path, world, model, "--moment", moment, "--kill-rank", kill_rank, "--kill-step", KILL_STEP)
+    job = run_job(tmp_path, world, model, "--moment", moment, "--kill-rank", kill_rank, "--kill-step", KILL_STEP,
+                  *options)
     check_healed(job, kill_rank, moment, replacements=1)
+    if "--wait-for-spare" in options:
+        spare = json.loads((job.rank_dir(kill_rank) / "spare.json").read_text())["pid"]
+        assert job.processes(kill_rank)[-1]["pid"] == spare, (spare, job.processes(kill_rank))
     plain = uninterrupted(world, model)
     for r in range(world):
         assert_same(job.state(r, "final"), plain.state(r, "final"), f"rank {r} final")

@@ -26,6 +26,7 @@ def test_torchruns_flags_make_the_plan():
             plan.run_id) == (2, 1, "node0", 29400, 4, 5, "job7")
     assert plan.argv == [sys.executable, "-u", "train.py", "--lr", "3"]
     assert plan.world_size == 8
+    assert plan.spares == 1 and parse(["--spares", "0", "train.py"]).spares == 0  # warm spares: mpckpt.run's own
     assert parse(["-m", "--standalone", "pkg.train"]).argv == [sys.executable, "-u", "-m", "pkg.train"]
 
 
@@ -35,6 +36,7 @@ def test_torchruns_flags_make_the_plan():
     (["--nnodes", "2", "t.py"], "--rdzv-endpoint"),
     (["--nnodes", "2", "--standalone", "t.py"], "--standalone is one node"),
     (["--max-restarts", "-1", "t.py"], "--max-restarts=-1"),
+    (["--spares", "-1", "t.py"], "--spares=-1"),
     (["--rdzv-endpoint", "nohost", "t.py"], "HOST:PORT"),
 ])
 def test_what_it_cannot_do_is_refused_by_name(argv, says, capsys):
