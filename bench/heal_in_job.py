@@ -22,6 +22,7 @@ on every rank, and the parts of it:
 
     .venv/bin/python bench/heal_in_job.py --repeats 3
     .venv/bin/python bench/heal_in_job.py --repeats 1 --json bench/results/heal_in_job.json
+    .venv/bin/python bench/heal_in_job.py --repeats 3 --spares 0      # replacements started cold
 
 Prints medians of both launchers side by side.
 """
@@ -120,7 +121,8 @@ def one_run(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, fl
            "kill_step": args.kill_step, "running_s": args.running_s}
     env = {**os.environ, "HEAL_BENCH": json.dumps(cfg), "PYTHONPATH": str(REPO_DIR), "OMP_NUM_THREADS": "1"}
     module = "mpckpt.run" if launcher == "mpckpt.run" else "torch.distributed.run"
-    cmd = [sys.executable, "-m", module, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+    spares = ["--spares", str(args.spares)] if launcher == "mpckpt.run" else []
+    cmd = [sys.executable, "-m", module, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *spares,
            str(Path(__file__).resolve()), "--rank-main"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
@@ -171,6 +173,7 @@ def main() -> None:
     p.add_argument("--state-mb", type=float, default=9.8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-step", type=int, default=20)
+    p.add_argument("--spares", type=int, default=1, help="mpckpt.run's warm spares (0: a replacement starts cold)")
     p.add_argument("--running-s", type=float, default=10.0,
                    help="the kill comes no sooner than this after the group formed (a failure in a job that has run "
                         "a while: mpckpt.run's warm spare is ready)")
