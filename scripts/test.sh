@@ -12,5 +12,5 @@ fi
 # The whole suite on two workers (pytest-xdist; a module's tests stay on one worker), then the few
 # tests marked `alone` by themselves: they check what a reaper of dead processes' shared memory did,
 # and any open in a parallel worker reaps the whole machine's.
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not alone"
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not alone" --durations=25  # (the slowest: CI's time)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -m alone

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mpckpt._peer",),
     ("mpckpt._runtime", "mpckpt._opening", "mpckpt._view", "mpckpt._writer_lock"),
     ("mpckpt.checkpointer", "mpckpt", "mpckpt.extension", "mpckpt.healing"),
-    ("mpckpt.integrations", "mpckpt.cli", "mpckpt.run"),
+    ("mpckpt.integrations", "mpckpt.cli", "mpckpt.run", "mpckpt._spare"),
 ]
 
 _PRIVATE_LAYERS = (
