@@ -73,7 +73,7 @@ from mpckpt._view import ReadsCommitted
 from mpckpt._writer_lock import release_writer_lock
 from mpckpt.catalog import read_manifest
 from mpckpt.config import Config, UploadMode
-from mpckpt.errors import CheckpointNotFoundError, ConfigError
+from mpckpt.errors import CheckpointNotFoundError, ConfigError, RankError
 from mpckpt.format.manifest import Manifest
 from mpckpt.format.names import checkpoint_name
 from mpckpt.policies.triggers import Schedule
@@ -315,14 +315,22 @@ class Runtime(ReadsCommitted):
     # -- saving (the Checkpointer has checked the arguments; ``started``: when its caller called) --
     def save(self, step: int, state: Any, metrics: dict[str, Any], *, mode: UploadMode, overlap: bool | None,
              force: bool, started: float, agreed: bool = False) -> SaveFuture | None:
-        """Snapshot ``state`` as ``step`` if due (``Checkpointer.save``; ``agreed``: the ranks did, no collective)."""
+        """Snapshot ``state`` as ``step`` if due (``Checkpointer.save``; ``agreed``: the ranks did, no collective);
+        or raise a background failure nobody saw (in a job whose saves agree, after the collective)."""
         now = time.monotonic()
         preempted, due = self.preemption.preempted, force or self.schedule.due(step, now)
+        failure = self.errors.first_unseen()
         if not agreed and (self.schedule.timed or self.preemption.signals):
-            # the clock and signals differ per rank: one small collective makes every rank agree
-            # (a single process's all_gather returns [mine]: nothing leaves the process)
-            flags = self.group.all_gather((due, preempted))
-            due, preempted = flags[0][0], any(p for _, p in flags)
+            # the clock and signals differ per rank: one small collective makes every rank agree (a single
+            # process's all_gather returns [mine]). INVARIANT: a rank about to raise runs it too, or its
+            # next collective (the training's own) would pair with the others' of this save
+            flags = self.group.all_gather((due, preempted, failure is not None))
+            due, preempted = flags[0][0], any(p for _, p, _ in flags)
+            if failure is None and (failing := [r for r, (_, _, f) in enumerate(flags) if f]):
+                raise RankError(f"step {step} is not saved: rank(s) {failing} raised an earlier checkpoint's failure in "
+                                "this save; no rank takes this step, the next save goes on", step=step, ranks=failing)
+        if failure is not None:
+            raise failure
         if preempted:  # the job is about to be stopped: this save is the last one
             force, mode, overlap = True, UploadMode.SYNC, False
         if mode is UploadMode.MEMORY:  # kept in memory only: every call is taken (the trigger is for uploads)

@@ -117,9 +117,9 @@ class Checkpointer:
         """A preemption signal arrived (``preemption=``): save, then stop the loop. Stays True."""
         return isinstance(self._rt, Runtime) and self._rt.preemption.preempted
 
-    def _writer(self) -> Runtime:
+    def _writer(self, *, unseen: bool = True) -> Runtime:
         """The runtime of a Checkpointer that may write (a clear error for a read-only one)."""
-        self._check_usable()
+        self._check_usable(unseen=unseen)
         if not isinstance(self._rt, Runtime):
             raise ConfigError(f"this Checkpointer of {self.url} was opened with read_only=True: it lists, loads and "
                               "restores, and never saves; open one without read_only in the process that trains")
@@ -168,7 +168,7 @@ class Checkpointer:
         returns after its commit.
         """
         started = time.perf_counter()
-        rt = self._writer()
+        rt = self._writer(unseen=False)  # raised by the runtime's save: in a job, after the ranks agree
         mode = _mode(mode)
         if mode is UploadMode.NO_UPLOAD:
             raise ConfigError("mode=NO_UPLOAD registers files already stored; use it with report(checkpoint=...)")
@@ -242,10 +242,11 @@ class Checkpointer:
         as Ray Train's ``num_to_keep``, ``mpckpt rm``) but the newest; the steps no longer listed."""
         return self._writer().forget_deleted()
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, *, unseen: bool = True) -> None:
         if self._closed:
             raise MpckptError("this Checkpointer is closed; open a new one")
-        self._rt.errors.raise_unseen()
+        if unseen:  # a background failure nobody saw yet
+            self._rt.errors.raise_unseen()
 
     def prepare(self, state: Any) -> int:
         """Create and touch shared memory for ``state`` now (as its first save would need).

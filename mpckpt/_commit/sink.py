@@ -52,11 +52,18 @@ class ErrorSink:
                 errors.append(error)
         return errors
 
+    def first_unseen(self) -> BaseException | None:
+        """The first unseen failure, the others noted on it (all marked seen), or None."""
+        errors = self.take_unseen()
+        if not errors:
+            return None
+        first = errors[0]
+        for other in errors[1:]:
+            add_note(first, f"also failed: {other}")
+        return first
+
     def raise_unseen(self) -> None:
         """Raise the first unseen failure, the others noted on it."""
-        errors = self.take_unseen()
-        if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                add_note(first, f"also failed: {other}")
-            raise first
+        error = self.first_unseen()
+        if error is not None:
+            raise error

@@ -4,7 +4,8 @@ At a restore (a collective moment) every rank tells the others, in one all_gathe
 the snapshots it holds: its own kept ones (``_keep``: the newest, and the newest step every rank
 held) and the copies of other ranks' snapshots it holds (``replicate``; found at open in this node's /dev/shm, left by the previous process of
 this node). From that every rank computes the same ``Plan``: for each step, whether every
-rank's snapshot of it is held somewhere (the same save: the same sequence number and files),
+rank's snapshot of it is held somewhere (each rank's of one save: its holders agree on its
+sequence number and files; a rank's numbers are its own ledger's, so ranks' may differ),
 and for each reader which holder to read each rank's files from (itself; else a rank of its
 node, read straight from /dev/shm; else a rank of another node, through the link:
 ``serve``). The job agrees on the newest step it can read whole from memory; storage's
@@ -83,12 +84,14 @@ class Plan:
         return self._index.get((rank, step), [])
 
     def complete(self) -> set[int]:
-        """Steps whose every rank's snapshot is held somewhere, all of one save (one sequence
-        number; the holders of a rank's snapshot agree on its files): else not from memory."""
+        """Steps whose every rank's snapshot is held somewhere, each of one save (its holders agree
+        on its sequence number and files): else not from memory. The ranks' sequence numbers may
+        differ: each is its own ledger's (a rank whose ``save`` raised an earlier failure took no
+        number where the others did), never compared across ranks."""
         out = set()
         for step in {step for _, step in self._index}:
             saves = [{h.save for _, h in self.holders(q, step)} for q in range(self.world_size)]
-            if all(len(s) == 1 for s in saves) and len({next(iter(s))[1] for s in saves}) == 1:
+            if all(len(s) == 1 for s in saves):
                 out.add(step)
         return out
 

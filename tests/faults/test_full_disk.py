@@ -11,6 +11,7 @@ reason, only where this machine lets us mount neither.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -131,3 +132,24 @@ def test_enospc_fails_the_save_cleanly_and_the_next_save_succeeds(small_fs: Path
     assert_same(first, mpckpt.load(root, step=0))
     assert_same(big, mpckpt.load(root, step=2))
     print(f"ENOSPC surfaced as: {info.value}")
+
+
+def test_a_job_whose_uploads_fail_keeps_its_collectives_in_step(small_fs: Path, tmp_path: Path) -> None:
+    """With ``preemption=True`` every ``save`` of a job agrees in a collective. A rank whose ``save`` raises
+    an upload's failure the others already saw must still take part in it (else every later collective
+    of the job, the training's own included, pairs with the wrong one), and no rank takes that step:
+    the others' ``save`` raises a ``RankError`` naming it. The saves after it go on on every rank."""
+    from tests.launch import torchrun
+
+    root, out = small_fs / "run", tmp_path / "out"
+    out.mkdir()
+    _fill(small_fs / "filler.bin", leave_bytes=16 << 10)  # room to open the root, none for a shard
+    torchrun(2, root, out, log=tmp_path / "job.log", worker=str(Path(__file__).with_name("full_disk_job.py")),
+             timeout_s=4 * BOUND_S)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["sum"] for r in ranks] == [3.0, 3.0]
+    first, second = ranks[0]["saves"], ranks[1]["saves"]
+    assert first["2"].startswith("UploadError: step 1: ") and "StorageFullError" in first["2"], first
+    assert second["1"].startswith("UploadError: step 1: "), second  # seen by result(): never raised again
+    assert second["2"].startswith("RankError [0]: step 2 is not saved: rank(s) [0] raised an earlier"), second
+    assert [first["3"], first["4"], second["3"], second["4"]] == ["saved"] * 4, ranks

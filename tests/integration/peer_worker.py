@@ -23,6 +23,14 @@ FSDP2 shards, DDP's full tensors, its torch generator state and its blob) is wha
              (the test loses rank 0's partner meanwhile), then writes ``inflight-r0.json`` (whether the
              future resolved, its ``peer_copies``, how long it took); every rank then waits to be killed.
 
+``diverge`` on a root whose filesystem is full (every upload fails): step 0 uploaded; rank 1 looks at
+             each save's outcome, rank 0 does not (it waits until step 0 has failed), so rank 0's save of
+             step 1 (uploaded) raises that failure instead of saving and rank 1's takes it: from then
+             on the ranks' save sequence numbers differ by one. Then step 2 in memory and step 3
+             uploaded (dumped before each save), ``ckpt.wait()`` (the outcomes, then the copies), and
+             ``train-r<rank>.json`` (step -> ``status copies``, or what the save or the wait raised);
+             then it waits to be killed, as ``train`` does.
+
 ``--budget``: ``memory_budget`` (``--budget-rank R=B``: rank R's). Training data is drawn per step and
 rank from a generator seeded with both.
 """
@@ -111,7 +119,7 @@ class Job:
             self.state["blob"] = mpckpt.PerRank(self.blob)
         self.ckpt = mpckpt.Checkpointer(args.root, memory_budget=per_rank(args.budget, args.budget_rank, rank),
                                         keep_in_memory=True, peer_copies=args.copies, overlap=args.overlap,
-                                        workers=1, timeout_s=60)
+                                        workers=1, timeout_s=args.timeout_s)
 
     def step(self, step: int) -> None:
         train_step(self.model, self.opt, step, self.rank)
@@ -190,9 +198,44 @@ def inflight(args: argparse.Namespace, rank: int, world: int) -> None:
     linger()
 
 
+def diverge(args: argparse.Namespace, rank: int, world: int) -> None:
+    job = Job(args, rank, world, fresh=False)
+    saves: dict[int, str] = {}
+    job.step(0)
+    job.dump("saved-0")
+    first = job.ckpt.save(0, job.state)
+    try:
+        if rank == 0:  # not looked at: its next save raises it
+            deadline = time.monotonic() + args.wait_s
+            while not first.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            first.result(timeout=args.wait_s)
+    except mpckpt.errors.MpckptError as e:
+        saves[0] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    futures = {}
+    for step, mode in ((1, "async"), (2, "memory"), (3, "async")):
+        job.step(step)
+        job.dump(f"saved-{step}")
+        try:
+            futures[step] = job.ckpt.save(step, job.state, mode=mode)
+            if rank == 1:
+                futures[step].result(timeout=args.wait_s)
+        except mpckpt.errors.MpckptError as e:
+            saves[step] = f"raised {type(e).__name__}: {e}"
+    try:
+        job.ckpt.wait(args.wait_s)
+    except mpckpt.errors.MpckptError as e:
+        saves[-1] = f"{type(e).__name__}: {e}"
+    saves.update({step: f"{f.stats.status} {f.stats.peer_copies}" for step, f in futures.items()})
+    write_json(args.out / f"train-r{rank}.json", {"saves": saves})
+    linger()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["train", "restore", "inflight"])
+    parser.add_argument("scenario", choices=["train", "restore", "inflight", "diverge"])
     parser.add_argument("root")
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", choices=["fsdp", "ddp"], default="fsdp")
@@ -207,11 +250,12 @@ def main() -> None:
     parser.add_argument("--budget", default="256MiB")
     parser.add_argument("--budget-rank", action="append", default=[])
     parser.add_argument("--wait-s", type=float, default=120)
+    parser.add_argument("--timeout-s", type=float, default=60)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks on demand, into the log
     rank, world = init_group()
     args.out.mkdir(parents=True, exist_ok=True)
-    {"train": train, "restore": restore, "inflight": inflight}[args.scenario](args, rank, world)
+    {"train": train, "restore": restore, "inflight": inflight, "diverge": diverge}[args.scenario](args, rank, world)
     dist.destroy_process_group()
 
 

@@ -20,6 +20,9 @@ restored, and ``last_restore.source`` must say where its own snapshot came from.
   copy, a warning names the budget.
 - Node 1 lost while rank 0's copy to it is in flight: rank 0's future resolves (no copy), no copy of
   that step is published on node 1, and the restart restores bit for bit.
+- Every upload fails (the root's filesystem is full) and one rank's save raised an earlier failure the
+  other's did not (their save sequence numbers then differ): node 1 lost -> the newest step, an
+  uploaded one that failed, from rank 0's memory and rank 1's copy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import json
 import os
 import re
 import signal
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -376,3 +381,48 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+@contextmanager
+def full_filesystem(where: Path) -> Iterator[None]:
+    """A small tmpfs at ``where`` (mounted before the nodes start: they see it), filled but 16 KiB: room
+    for the root's lock and probe, none for a shard. Skips the test where it cannot be mounted."""
+    where.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.strip()}")
+    try:
+        free = os.statvfs(where)
+        fd = os.open(where / ".filler", os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize - (16 << 10))
+        finally:
+            os.close(fd)
+        yield
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def test_uploads_failing_on_a_full_root_the_newest_step_is_restored_from_the_copies(tmp_path: Path) -> None:
+    """Every upload fails: the root's filesystem is full. Rank 0's save of step 1 raises step 0's
+    failure instead of saving; rank 1, which looked at that failure, saves step 1: from then on the
+    ranks' save sequence numbers differ by one. Steps 2 (memory) and 3 (uploaded, failed) are kept and
+    copied on both; node 1 lost, the job restores step 3, rank 1 from its copy, bit for bit."""
+    with full_filesystem(tmp_path / "root"), Cluster(2, shm_size="512m", name_prefix="pl") as cluster:
+        run = Run(cluster, tmp_path, 1, "--model", "ddp", "--timeout-s", 5)
+        run.job = run.launch("diverge")
+        run.wait_for(run.job, [f"train-r{r}.json" for r in range(2)])
+        seen = [json.loads((run.out / f"train-r{r}.json").read_text())["saves"] for r in range(2)]
+        assert seen[0]["1"].startswith("raised UploadError: step 0: ") and "StorageFullError" in seen[0]["1"], seen
+        assert [s["3"] for s in seen] == ["failed 1", "failed 1"], seen
+        own = [r for r in peer_records(cluster.nodes[1], 0) if r.step == 3]
+        copy = [r for r in peer_records(cluster.nodes[0], 1) if r.step == 3]
+        assert own and copy and own[0].seq != copy[0].seq, (own, copy)  # rank 0's and rank 1's numbers differ
+        run.crash([1])
+        views = run.restore()
+    assert sources(views) == [(3, "memory"), (3, "peer")], (views, run.phase2_logs)
+    assert not run.on_storage(3)
+    for rank in range(2):
+        run.assert_restored(rank, 3)
