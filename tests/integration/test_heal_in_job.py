@@ -86,10 +86,13 @@ class Job:
 
 
 def run_job(tmp: Path, world: int, model: str, *options: Any, restarts: int = 2, ok: bool = True) -> Job:
-    """``heal_worker.py`` on ``world`` ranks under ``python -m mpckpt.run``; with ``ok`` it must exit 0."""
+    """``heal_worker.py`` on ``world`` ranks under ``python -m mpckpt.run``; with ``ok`` it must exit 0. Without a
+    warm spare (``--spares 0``: replacements start cold, and no spare's imports take the two cores from the
+    job) unless the case waits for one (``--wait-for-spare``)."""
     out, log = tmp / "out", tmp / "log.txt"
+    spares = 1 if "--wait-for-spare" in options else 0
     cmd = [sys.executable, "-m", "mpckpt.run", "--standalone", f"--nproc-per-node={world}",
-           f"--max-restarts={restarts}", WORKER, str(tmp / "root"), str(out), "--model", model, "--steps", str(STEPS),
+           f"--max-restarts={restarts}", f"--spares={spares}", WORKER, str(tmp / "root"), str(out), "--model", model, "--steps", str(STEPS),
            "--storage-every", str(STORAGE_EVERY), "--blob-mb", str(BLOB_MB), *map(str, options)]
     proc = start(cmd, log, worker_env())
     code = finish(proc, log, JOB_TIMEOUT_S)

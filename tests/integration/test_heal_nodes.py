@@ -45,7 +45,7 @@ def launch(node: Node, node_rank: int, port: int, tmp: Path, label: str) -> subp
     env = {**{k: v for k, v in os.environ.items() if k not in _DROPPED}, "PYTHONPATH": str(REPO),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "mpckpt.run", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node",
-           "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2", WORKER, str(tmp / "root"),
+           "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2", "--spares", "0", WORKER, str(tmp / "root"),
            str(tmp / "out"), "--steps", str(STEPS), "--storage-every", "4", "--blob-mb", "4", "--peer-copies", "1",
            "--loss-wait-s", "60", "--step-sleep-s", "0.3"]
     with open(tmp / f"{label}.log", "ab") as out:
