@@ -5,8 +5,8 @@ makes its group with ``mpckpt.init_process_group``, builds a small model under D
 ``fully_shard`` on a CPU mesh) with AdamW and a ``PerRank`` blob of ``--blob-mb`` MiB, opens ``ROOT``,
 restores, and trains ``--steps`` deterministic steps (each step's data depends only on the step and
 the rank), each ending in ``save(step, state, mode="memory")``, every ``--storage-every``-th an
-ASYNC save to storage, waited for (``--storage-no-wait``: not waited for, so that a kill lands while
-its upload and commit are in flight). A failure goes to ``mpckpt.heal``, whose ``rebuild`` wraps the
+ASYNC save to storage, waited for (``--storage-no-wait``: from ``--kill-step`` on not waited for, so
+that a kill lands while its upload and commit are in flight; the earlier ones are committed). A failure goes to ``mpckpt.heal``, whose ``rebuild`` wraps the
 model again (DDP) or builds and shards it again with a new optimizer (FSDP2).
 
 What it writes under ``OUT/rank<r>/``:
@@ -183,7 +183,7 @@ def main() -> None:
             storage = bool(args.storage_every) and step % args.storage_every == 0
             kill.before_save(step)
             future = ckpt.save(step, state, mode="async" if storage else "memory")
-            if storage and not args.storage_no_wait:
+            if storage and not (args.storage_no_wait and step >= args.kill_step):
                 future.result(timeout=120)
             files.note(f"saved {step}")
             kill.after_save(step)
