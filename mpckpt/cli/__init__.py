@@ -68,7 +68,7 @@ This module owns the argument parser, the dispatch and the help, which is this d
 paragraphs above this one (and for each command, its module's docstring up to the first
 paragraph about the code: ``INVARIANT``, ``This module``) as plain text: the double
 backticks dropped, paragraphs wrapped to the terminal, the indented table kept as written.
-Each command is one module with a ``run(args) -> int`` (``ls``, ``info``, ``verify``,
+Each command is one module with a ``run(args) -> int``, imported only when it runs (``ls``, ``info``, ``verify``,
 ``export``, ``import_dcp``, ``stats``, ``gc``, ``rm``; a module's ``_`` is the command's ``-``;
 ``_dcp`` and ``_export_dcp`` serve ``info``, ``verify`` and ``export`` for DCP folders, ``_export_hf`` ``export --format hf``); ``_common`` holds what they share: the escaping,
 opening a root, finding a step, turning an ``MpckptError`` into exit status 1
@@ -79,12 +79,12 @@ below a folder that holds none.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import importlib.util
 import re
 import textwrap
-from types import ModuleType
-
-from mpckpt.cli import export, gc, import_dcp, info, ls, rm, stats, verify
-from mpckpt.cli._common import exit_status, route_library_log
+from typing import Any
 
 __all__ = ["main"]
 
@@ -98,23 +98,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--storage-options", help="JSON object of storage options (credentials, endpoint ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(module: ModuleType, help: str) -> argparse.ArgumentParser:
-        name = module.__name__.rpartition(".")[2].replace("_", "-")  # import_dcp: mpckpt import-dcp
-        p = sub.add_parser(name, help=help, description=_help_text(module.__doc__ or ""), formatter_class=_Formatter)
-        p.set_defaults(fn=module.run)
+    def command(module: str, help: str) -> argparse.ArgumentParser:
+        name = module.replace("_", "-")  # import_dcp: mpckpt import-dcp
+        p = sub.add_parser(name, help=help, description=_help_text(_docstring(module)), formatter_class=_Formatter)
+        p.set_defaults(module=module)
         return p
 
-    p = command(ls, "list committed checkpoints")
+    p = command("ls", "list committed checkpoints")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
-    p = command(info, "the tensors and values of one checkpoint (no tensor data read)")
+    p = command("info", "the tensors and values of one checkpoint (no tensor data read)")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object: tensors, values, files")
-    p = command(verify, "check that checkpoints would load")
+    p = command("verify", "check that checkpoints would load")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--step", type=_step, help="check this step only")
-    p = command(export, "write one checkpoint's state to a .safetensors or .pt file, a DCP or Hugging Face folder")
+    p = command("export", "write one checkpoint's state to a .safetensors or .pt file, a DCP or Hugging Face folder")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("step", metavar="STEP", type=_step_or_latest, nargs="?", help=_LATEST_HELP)
     p.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors (tensors by dotted path) or FILE.pt; "
@@ -131,25 +131,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-tied", action="store_true", help="write every name of a tied tensor with its own "
                    "copy (default: keep the first, list the others in the metadata, as safetensors does)")
     p.add_argument("--allow-pickle", action="store_true", help="load pickled values (runs code from storage)")
-    p = command(import_dcp, "bring a torch.distributed.checkpoint folder in as a committed step")
+    p = command("import_dcp", "bring a torch.distributed.checkpoint folder in as a committed step")
     p.add_argument("folder", metavar="FOLDER", help="a folder dcp.save(state_dict, checkpoint_id=FOLDER) wrote")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--step", type=_step, required=True, help="the step to commit it as (not in ROOT yet, and after "
                    "its newest)")
     p.add_argument("--allow-pickle", action="store_true", help="unpickle what the restricted readers refuse "
                    "(runs code from FOLDER)")
-    p = command(stats, "what each save cost: blocked ms, persist ms, bytes, MB/s")
+    p = command("stats", "what each save cost: blocked ms, persist ms, bytes, MB/s")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="a JSON list of objects, one per step")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs matplotlib)")
-    p = command(gc, "remove orphaned shared memory and incomplete folders")
+    p = command("gc", "remove orphaned shared memory and incomplete folders")
     p.add_argument("roots", nargs="*", metavar="ROOT", help=_ROOT_HELP)
-    p = command(rm, "delete checkpoints; the others stay loadable")
+    p = command("rm", "delete checkpoints; the others stay loadable")
     p.add_argument("root", metavar="ROOT", help=_ROOT_HELP)
     p.add_argument("steps", type=_step, nargs="+", metavar="STEP", help="a committed step")
     p.add_argument("--damaged", action="store_true", help="also delete the damaged ones named (otherwise kept: "
                    "they may be recoverable)")
     return parser
+
+
+def _docstring(command: str) -> str:
+    """A command module's docstring, read from its source: building the parser imports no command
+    (``ls`` or ``gc`` never pay for torch, which ``export`` and ``info`` import)."""
+    spec = importlib.util.find_spec(f"{__name__}.{command}")
+    source = spec.loader.get_source(spec.name) if spec is not None and spec.loader is not None else None  # type: ignore[attr-defined]
+    return (ast.get_docstring(ast.parse(source), clean=False) or "") if source else ""
 
 
 def _help_text(doc: str) -> str:
@@ -196,5 +204,8 @@ def _step_or_latest(text: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default: ``sys.argv[1:]``) names; return its exit status."""
     args = _parser().parse_args(argv)
+    from mpckpt.cli._common import exit_status, route_library_log
+
     route_library_log()
-    return exit_status(args.fn, args)
+    run: Any = importlib.import_module(f"{__name__}.{args.module}").run  # the named command's module alone
+    return exit_status(run, args)

@@ -47,3 +47,36 @@ def test_gc_refuses_a_folder_a_live_trainer_writes(tmp_path, capsys):
     with mpckpt.Checkpointer(tmp_path, workers=1):
         assert main(["gc", str(tmp_path)]) == 1
     assert "another live process" in capsys.readouterr().err
+
+
+def test_commands_that_read_no_tensor_start_without_torch(tmp_path):
+    """``ls``, ``stats``, ``gc``, ``rm`` and every ``--help`` import only their own module: the parser
+    reads the commands' help from their sources, so a listing never waits for torch's import."""
+    import subprocess
+    import sys
+
+    from tests.commands import REPO
+
+    with mpckpt.Checkpointer(tmp_path, workers=1) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": torch.full((4,), float(step))}, mode="sync", metrics={"loss": 1.0 / step})
+    script = (
+        "import contextlib, io, sys\n"
+        "from mpckpt.cli import main\n"
+        "for argv in (['ls', R], ['stats', R], ['gc', R], ['rm', R, '1'], ['ls', '--help'], ['export', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            code = e.code\n"
+        "    assert code == 0, (argv, code)\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "    if argv[-1] == '--help':  # the command's own help, its module's docstring included\n"
+        "        assert 'usage: mpckpt ' + argv[0] in out.getvalue(), out.getvalue()\n"
+        "        assert {'ls': 'committed checkpoints', 'export': 'safetensors'}[argv[0]] in out.getvalue(), out.getvalue()\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", f"R = {str(tmp_path)!r}\n" + script], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    with mpckpt.Checkpointer(tmp_path, read_only=True) as reader:
+        assert reader.steps() == [2]  # rm really ran
