@@ -4,7 +4,7 @@ gloo fails a collective on a peer's closed connection at once, but a rank that w
 peer (a ring's next rank) waits for the group's whole timeout when that peer has left the failed
 collective: destroying the group does not close its connections while a wrapper (DDP's reducer)
 still holds it. ``mpckpt.heal`` therefore shuts down the sockets the group opened when it formed
-(``opened_by``: the process's sockets before and after ``init_process_group``), and every rank
+(``opened_by``: the process's TCP sockets before and after ``init_process_group``), and every rank
 still waiting on this one fails its collective at once and heals too.
 
 A socket is shut down only while its descriptor still names the same socket (its inode), so a
@@ -41,11 +41,22 @@ def sockets() -> dict[int, str]:
 
 
 def opened_by(call: Callable[[], T]) -> tuple[T, dict[int, str]]:
-    """``call()``'s result and the sockets it opened (and kept open)."""
+    """``call()``'s result and the TCP sockets it opened (and kept open): gloo's connections are TCP,
+    so a Unix socket another thread opened meanwhile (a fork server's, a logger's) is never one."""
     before = sockets()
     result = call()
     after = sockets()
-    return result, {fd: name for fd, name in after.items() if before.get(fd) != name}
+    return result, {fd: name for fd, name in after.items() if before.get(fd) != name and _is_tcp(fd, name)}
+
+
+def _is_tcp(fd: int, name: str) -> bool:
+    try:
+        if os.readlink(f"{_FDS}/{fd}") != name:
+            return False
+        with socket.socket(fileno=os.dup(fd)) as s:  # (closing the duplicate leaves ``fd`` open)
+            return s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+    except OSError:
+        return False
 
 
 def shut(links: dict[int, str]) -> int:
