@@ -103,19 +103,27 @@ def stopped(store: Any) -> str | None:
     return None
 
 
-def lost_in(store: Any, generation: int) -> list[int]:
-    """The ranks whose loss started ``generation`` (empty when the key is not there)."""
-    if not store.check([lost_key(generation)]):
-        return []
-    text = bytes(store.get(lost_key(generation))).decode()
-    return [int(r) for r in text.split(",") if r]
+def _written(store: Any, key: str, wait_s: float) -> bytes | None:
+    """``key``'s value, waiting up to ``wait_s`` for a launcher to write it; None if it did not."""
+    deadline = time.monotonic() + wait_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+    return bytes(store.get(key))
 
 
-def began(store: Any, generation: int) -> float | None:
-    """When the launcher saw the loss that started ``generation`` (wall clock), if it said."""
-    if not store.check([began_key(generation)]):
-        return None
-    return float(bytes(store.get(began_key(generation))).decode())
+def lost_in(store: Any, generation: int, *, wait_s: float = 0.0) -> list[int]:
+    """The ranks whose loss started ``generation`` (empty when the key is not there within ``wait_s``:
+    a launcher writes it just after it counts the generation, so a survivor can see the count first)."""
+    text = _written(store, lost_key(generation), wait_s)
+    return [] if text is None else [int(r) for r in text.decode().split(",") if r]
+
+
+def began(store: Any, generation: int, *, wait_s: float = 0.0) -> float | None:
+    """When the launcher saw the loss that started ``generation`` (wall clock), if it said within ``wait_s``."""
+    text = _written(store, began_key(generation), wait_s)
+    return None if text is None else float(text.decode())
 
 
 def wait_for_newer(store: Any, than: int, timeout_s: float) -> int | None:

@@ -60,6 +60,7 @@ log = logging.getLogger("mpckpt")
 
 LOSS_WAIT_S = 10.0  # how long a failure waits for the launcher to say a rank was lost
 ABANDON_S = 2.0  # the most each background part of the abandoned open may take to stop
+SAID_S = 5.0  # how long a heal waits for the launcher to write who was lost, once it counted the generation
 _HEALABLE = (RuntimeError, MpckptError, ConnectionError, TimeoutError, OSError)  # gloo's: RuntimeError
 
 
@@ -142,8 +143,8 @@ def _newer(store: Any, than: int, error: BaseException, wait_s: float) -> int:
 def _heal_once(ckpt: Checkpointer, state: Any, rebuild: Callable[[], Any] | None, store: Any,
                report: Healed) -> int | None:
     generation = report.generation
-    report.lost = lost = gens.lost_in(store, generation)
-    report.noticed = gens.began(store, generation)
+    report.lost = lost = gens.lost_in(store, generation, wait_s=SAID_S)
+    report.noticed = gens.began(store, generation, wait_s=SAID_S)
     history.append(report)
     log.warning("mpckpt: rank%s %s lost; healing in place in generation %d", "s" if len(lost) > 1 else "",
                 ", ".join(map(str, lost)) or "?", generation)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import socket
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -66,6 +67,30 @@ def test_the_generations_store_protocol():
     assert gens.wait_for_newer(store, 0, timeout_s=5) == 1 and gens.lost_in(store, 1) == [1, 3]
     store.set(gens.STOP, "too many failures")
     assert gens.stopped(store) == "too many failures" and gens.wait_for_newer(store, 1, timeout_s=5) is None
+
+
+def test_who_was_lost_is_read_even_when_the_generation_is_seen_first():
+    """A launcher counts the generation, then writes who was lost and when: a survivor that saw the
+    count waits (bounded) for the rest instead of reporting no rank lost."""
+    import threading
+
+    store = dist.HashStore()
+    store.add(gens.GENERATION, 1)  # counted; the rest comes 0.3 s later
+    assert gens.lost_in(store, 1) == [] and gens.began(store, 1) is None  # not waiting: not there yet
+
+    def write() -> None:
+        time.sleep(0.3)  # the scenario: the launcher descheduled between the count and the write
+        store.set(gens.lost_key(1), "1")
+        store.set(gens.began_key(1), repr(1234.5))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert gens.lost_in(store, 1, wait_s=10) == [1]
+        assert gens.began(store, 1, wait_s=10) == 1234.5
+    finally:
+        writer.join(10)
+    assert gens.lost_in(store, 2, wait_s=0.05) == []  # never written: bounded
 
 
 def test_heal_raises_again_what_is_not_a_lost_rank(tmp_path, monkeypatch):
